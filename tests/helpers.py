@@ -1,0 +1,125 @@
+"""Shared pieces of the engine tests: the test model, its data, and the single-process reference.
+
+The reference is what ZeRO must equal: plain torch.optim.AdamW on the global batch (every
+rank's micro-batches of a step concatenated), clipped with torch.nn.utils.clip_grad_norm_.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zero_impl
+from zero_impl.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
+
+# Sizes chosen so that most tensors are not divisible by 3 or 4 (670, 110, 330, ...).
+MODEL = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=2, heads=2)
+LR = 1e-2
+CLIP = 0.28  # between the gradient norms of the run (0.26-0.32): some steps clip, some not
+MICRO_BATCH = 2
+
+
+def make_model() -> TinyGPT:
+    """Same initial weights in every process; position embeddings frozen (a frozen parameter)."""
+    torch.manual_seed(0)
+    model = TinyGPT(MODEL)
+    model.wpe.weight.requires_grad_(False)
+    return model
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """Two groups as in GPT training: weight decay on matrices, none on biases and norms."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def adamw(groups) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=LR)
+
+
+def global_batch(step: int, world: int, accum: int) -> torch.Tensor:
+    """[accum, world, micro_batch, seq]: micro-batch k of rank r is batch[k, r]."""
+    tokens = synthetic_tokens(accum * world * MICRO_BATCH, MODEL.seq_len, MODEL.vocab_size, seed=step)
+    return tokens.view(accum, world, MICRO_BATCH, MODEL.seq_len)
+
+
+def reference_run(steps: int, world: int, accum: int, clip: float = CLIP, precision: str = "fp32"):
+    """Single-process AdamW on each step's global batch: (named parameters, losses, grad norms).
+
+    With precision "bf16"/"fp16" it is the textbook mixed-precision loop, written independently
+    of zero_impl: a low-precision model, fp32 master weights in the optimizer, fp16 loss scaled.
+    """
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    masters = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+    model.to(zero_impl.config.DTYPES[precision])
+    for n, p in model.named_parameters():
+        if not p.requires_grad:  # a frozen parameter only exists in model precision
+            masters[n] = p.detach().float()
+    opt = adamw(param_groups(_MasterView(model, masters)))
+    scale = 1024.0 if precision == "fp16" else 1.0
+    losses, norms = [], []
+    for step in range(steps):
+        tokens = global_batch(step, world, accum).reshape(-1, MODEL.seq_len)
+        loss = lm_loss(model(tokens).float(), tokens)
+        model.zero_grad()
+        (loss * scale).backward()
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                masters[n].grad = p.grad.float() / scale
+        trainable = [masters[n] for n in names if masters[n].requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else float("inf"))
+        opt.step()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(masters[n])
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return masters, losses, norms
+
+
+class _MasterView(torch.nn.Module):
+    """Presents the fp32 masters with the model's parameter order, for param_groups()."""
+
+    def __init__(self, model: torch.nn.Module, masters: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._list = [masters[n] for n, _ in model.named_parameters()]
+
+    def parameters(self, recurse: bool = True):
+        return iter(self._list)
+
+
+def zero_run(steps: int, accum: int, **config) -> dict:
+    """Runs inside a rank: the same training through the engine. Returns what the tests compare."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(grad_accum_steps=accum, **config),
+                                  optimizer=adamw, param_groups=param_groups(model))
+    losses, applied = [], []
+    for step in range(steps):
+        batch = global_batch(step, world, accum)
+        total = torch.zeros(())
+        for k in range(accum):
+            tokens = batch[k, rank]
+            loss = lm_loss(engine(tokens), tokens)
+            engine.backward(loss)
+            total += loss.detach() / accum
+            applied.append(engine.step())
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return {"params": engine.full_parameters(), "losses": losses, "applied": applied, "stats": engine.stats()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n].float() - b[n].float()).abs().max().item() for n in a)
+
+
+@torch.no_grad()
+def relative_update_error(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """|params - reference| / |reference - initial| over all parameters (L2): how far a run's
+    total update is from the reference's, relative to the update's size."""
+    initial = dict(make_model().named_parameters())
+    num = sum(((params[n].float() - reference[n]) ** 2).sum() for n in reference)
+    den = sum(((reference[n] - initial[n].detach()) ** 2).sum() for n in reference)
+    return float((num / den).sqrt())

@@ -1,0 +1,10 @@
+"""zero_impl: a compact ZeRO (stages 0-3) for PyTorch, from Rajbhandari et al., SC20.
+
+    import zero_impl
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=2, precision="bf16"),
+                                  optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4))
+"""
+from .config import ZeroConfig
+from .engine import ZeroEngine, initialize
+
+__all__ = ["ZeroConfig", "ZeroEngine", "initialize"]

@@ -1,0 +1,120 @@
+"""Collectives with accounting: every tensor handed to torch.distributed is counted here.
+
+Counting convention (DESIGN.md): a reduce-scatter counts its full input, an all-gather its full
+output, an all-reduce twice its size. With it, DP and ZeRO stages 1-2 move 2Ψ elements per step
+and stage 3 moves 3Ψ, the numbers of the paper's Section 7.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass
+class Traffic:
+    """Calls, elements and bytes of one (collective kind, purpose) pair."""
+
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+    def add(self, elements: int, nbytes: int) -> None:
+        self.calls += 1
+        self.elements += elements
+        self.bytes += nbytes
+
+
+class CommLedger:
+    """Cumulative traffic by (kind, purpose), shared by all communicators of one engine."""
+
+    def __init__(self) -> None:
+        self.traffic: dict[tuple[str, str], Traffic] = defaultdict(Traffic)
+        self.sequence = hashlib.sha1()
+        self.sequence_length = 0
+
+    def record(self, kind: str, purpose: str, elements: int, element_size: int, group_tag: str) -> None:
+        self.traffic[(kind, purpose)].add(elements, elements * element_size)
+        # Running hash of the collective sequence: ranks of one group must issue identical ones.
+        self.sequence.update(f"{group_tag}:{kind}:{purpose}:{elements};".encode())
+        self.sequence_length += 1
+
+    def snapshot(self) -> dict[tuple[str, str], Traffic]:
+        return {key: Traffic(t.calls, t.elements, t.bytes) for key, t in self.traffic.items()}
+
+    @staticmethod
+    def summarize(traffic: dict[tuple[str, str], Traffic], since: dict | None = None,
+                  exclude: tuple[str, ...] = ()) -> dict:
+        """{"by_kind": {kind: {...}}, "by_purpose": {...}, "elements": n, "bytes": n}: the traffic
+        since the snapshot `since`, leaving out the purposes in `exclude`."""
+        since = since or {}
+        by_kind: dict[str, dict[str, int]] = {}
+        by_purpose: dict[str, dict[str, int]] = {}
+        for key, t in traffic.items():
+            if key[1] in exclude:
+                continue
+            base = since.get(key, Traffic())
+            delta = {"calls": t.calls - base.calls, "elements": t.elements - base.elements,
+                     "bytes": t.bytes - base.bytes}
+            for table, name in ((by_kind, key[0]), (by_purpose, key[1])):
+                row = table.setdefault(name, {"calls": 0, "elements": 0, "bytes": 0})
+                for field, value in delta.items():
+                    row[field] += value
+        return {"by_kind": by_kind, "by_purpose": by_purpose,
+                "elements": sum(r["elements"] for r in by_kind.values()),
+                "bytes": sum(r["bytes"] for r in by_kind.values())}
+
+
+class Communicator:
+    """One process group (or none: a world of one) plus the ledger its traffic goes to.
+
+    With a single rank no collective is issued and nothing is counted: no data moves.
+    Without torch.distributed initialized, the world is this process alone.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, tag: str, solo: bool = False) -> None:
+        """`group` None is the default group; `solo` makes a world of one whatever the group."""
+        self.group = group
+        self.ledger = ledger
+        self.tag = tag
+        active = not solo and dist.is_available() and dist.is_initialized()
+        self.size = dist.get_world_size(group) if active else 1
+        self.rank = dist.get_rank(group) if active else 0
+
+    def all_reduce(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        if self.size == 1:
+            return None
+        self.ledger.record("all_reduce", purpose, 2 * tensor.numel(), tensor.element_size(), self.tag)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
+        """Sum `input` over ranks; this rank receives its contiguous 1/size slice in `output`."""
+        if self.size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return None
+        self.ledger.record("reduce_scatter", purpose, input.numel(), input.element_size(), self.tag)
+        return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
+        """Concatenate every rank's `input` into the flat `output` (in place when input is a view of it)."""
+        if self.size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return None
+        self.ledger.record("all_gather", purpose, output.numel(), output.element_size(), self.tag)
+        return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+
+    def all_gather_into_views(self, outputs: list[torch.Tensor], input: torch.Tensor, purpose: str,
+                              async_op: bool = False):
+        """All-gather into one separate tensor per rank (for chunks that are not contiguous)."""
+        if self.size == 1:
+            outputs[0].copy_(input)
+            return None
+        self.ledger.record("all_gather", purpose, input.numel() * self.size, input.element_size(), self.tag)
+        return dist.all_gather(outputs, input, group=self.group, async_op=async_op)

@@ -1,0 +1,221 @@
+"""ZeroEngine: the training-loop API (forward, backward, step) over the stage-specific parts.
+
+    engine = zero_impl.initialize(model, ZeroConfig(stage=2, precision="bf16"),
+                                  optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4))
+    loss = loss_fn(engine(inputs), targets)
+    engine.backward(loss)   # divides by grad_accum_steps itself, like DeepSpeed
+    engine.step()           # call after every micro-batch; True when an update was applied
+
+Stages 0-2 keep full parameters in a flat buffer (flat_params.py) and differ only in what the
+gradient reducer (grad_reducer.py) keeps and sends; the partitioned optimizer (optimizer.py)
+is common to all stages.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .comm import CommLedger, Communicator
+from .config import ZeroConfig
+from .flat_params import FlatParamBuffer
+from .grad_reducer import BucketedGradReducer
+from .layout import Slot
+from .loss_scaler import LossScaler
+from .memory import model_state_bytes, storage_bytes
+from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer
+
+
+class ZeroEngine(nn.Module):
+    """A module wrapped for ZeRO data parallelism (optionally inside a tensor-parallel group)."""
+
+    def __init__(self, module: nn.Module, config: ZeroConfig, optimizer: OptimizerFactory,
+                 param_groups: Iterable[dict] | None = None, dp_group=None, mp_group=None) -> None:
+        super().__init__()
+        self.module, self.config = module, config
+        self.ledger = CommLedger()
+        self.dp = Communicator(dp_group, self.ledger, "dp")
+        self.mp = Communicator(mp_group, self.ledger, "mp", solo=mp_group is None)
+        self.slots, group_options = _collect_slots(module, param_groups, self.mp)
+        self.psi = sum(s.numel for s in self.slots)
+        device = self.slots[0].param.device if self.slots else torch.device("cpu")
+        dtype = config.param_dtype
+
+        self.flat = FlatParamBuffer(self.slots, bucket_size=config.reduce_bucket_size,
+                                    allgather_bucket_size=config.allgather_bucket_size,
+                                    sharded=config.stage > 0, comm=self.dp, overlap=config.overlap_comm)
+        self.grads = BucketedGradReducer(self.flat.buckets, self.slots, config.stage, self.dp,
+                                         config.grad_reduce_dtype, config.overlap_comm, device)
+        shards = []
+        for b in self.flat.buckets:
+            lo, hi = self.flat.owned_range(b)
+            shards.append(OwnedShard(b, lo, hi, param=self.flat.data[lo:hi], grad=self.grads.shard_grads[b.index]))
+        self.scaler = LossScaler(enabled=config.precision == "fp16", static_scale=config.loss_scale,
+                                 initial_scale_power=config.initial_scale_power,
+                                 window=config.loss_scale_window, min_scale=config.min_loss_scale)
+        self.sharded_optimizer = ShardedOptimizer(
+            shards, lambda lo, hi: self.flat.data[lo:hi], group_options, optimizer,
+            clip_grad_norm=config.clip_grad_norm, scaler=self.scaler, dp=self.dp, mp=self.mp,
+            grads_replicated=config.stage == 0, share_master=not config.mixed_precision)
+        self.flat.bind(dtype)
+        for shard in shards:
+            shard.param = self.flat.data[shard.lo:shard.hi]
+        _cast_rest(module, dtype, {id(s.param) for s in self.slots})
+
+        self.micro_steps = 0
+        self.steps = 0
+        self._boundary_traffic = [self.ledger.snapshot(), self.ledger.snapshot()]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's fp32 masters (for LR schedulers)."""
+        return self.sharded_optimizer.optimizer
+
+    # -- training loop ----------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.mixed_precision:
+            args, kwargs = _cast_floats((args, kwargs), self.config.param_dtype)
+            return _cast_floats(self.module(*args, **kwargs), torch.float32)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` / grad_accum_steps (times the fp16 loss scale) and reduce gradients."""
+        accum = self.config.grad_accum_steps
+        boundary = (self.micro_steps + 1) % accum == 0
+        self.grads.begin_backward(reduce=boundary or self.config.stage == 2,
+                                  first_micro_step=self.micro_steps % accum == 0)
+        # Dividing by the DP size here turns the reducers' sums into averages at no extra cost.
+        (loss * (self.scaler.scale / (accum * self.dp.size))).backward()
+        self.grads.end_backward()
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Call after every micro-batch; on the last one of an accumulation, update the parameters.
+
+        Returns True when an update was applied, False on accumulation micro-steps and on
+        fp16 overflow (the step is then skipped on every rank and the loss scale lowered).
+        """
+        self.micro_steps += 1
+        if self.micro_steps % self.config.grad_accum_steps:
+            return False
+        applied = self.sharded_optimizer.step()
+        if applied:
+            self.flat.all_gather_updated()
+        self.grads.zero_grads()
+        self.steps += 1
+        self._boundary_traffic = [self._boundary_traffic[1], self.ledger.snapshot()]
+        return applied
+
+    # -- inspection -------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """{name: full fp32 tensor} keyed like module.named_parameters(), identical on every rank.
+
+        Trainable parameters come from the fp32 masters; the all-gather this needs is counted
+        under the purpose "export", outside the per-step figures.
+        """
+        flat = self.sharded_optimizer.full_fp32(self.flat.numel, self.flat.buckets,
+                                                self.dp if self.flat.sharded else None)
+        slot_of = {id(s.param): s for s in self.slots}
+        out = {}
+        for name, p in self.module.named_parameters():
+            s = slot_of.get(id(p))
+            out[name] = flat[s.start:s.end].view(p.shape).clone() if s else p.detach().float().clone()
+        return out
+
+    def memory(self) -> dict[str, dict[str, float]]:
+        """Model-state bytes on this rank, measured from live storages and predicted by Table 1."""
+        measured = {
+            "params": storage_bytes(self.module.parameters()),
+            "grads": self.grads.grad_bytes(),
+            "optimizer_states": self.sharded_optimizer.state_bytes(),
+        }
+        measured["total"] = sum(measured.values())
+        measured["buffers"] = self.grads.buffer_bytes()
+        measured["peak_buffers"] = self.grads.peak_buffer_bytes
+        master_bytes = 4 if self.config.mixed_precision else 0
+        predicted = model_state_bytes(
+            self.psi, self.config.stage, self.dp.size,
+            param_bytes=self.config.param_dtype.itemsize, grad_bytes=self.config.grad_reduce_dtype.itemsize,
+            optimizer_bytes=master_bytes + 4 * self.sharded_optimizer.state_elements_per_param())
+        return {"measured": measured, "predicted": predicted}
+
+    def stats(self) -> dict[str, Any]:
+        """Communication by collective, model-state memory by kind, loss scale, norm, skipped steps."""
+        previous, last = self._boundary_traffic
+        return {
+            "stage": self.config.stage,
+            "dp_size": self.dp.size,
+            "mp_size": self.mp.size,
+            "psi": self.psi,
+            "padded_psi": self.flat.numel,
+            "steps": self.steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.sharded_optimizer.skipped_steps,
+            "loss_scale": self.scaler.scale,
+            "grad_norm": self.sharded_optimizer.grad_norm,
+            "comm": {"last_step": CommLedger.summarize(last, since=previous, exclude=("export",)),
+                     "total": CommLedger.summarize(self.ledger.snapshot())},
+            "memory": self.memory(),
+        }
+
+
+def initialize(model: nn.Module, config: ZeroConfig, optimizer: OptimizerFactory,
+               param_groups: Iterable[dict] | None = None, dp_group=None, mp_group=None) -> ZeroEngine:
+    """Wrap `model` for ZeRO training; `optimizer` builds a torch optimizer from param groups.
+
+    param_groups: torch-style groups over the model's parameters ({"params": [...], **options});
+    None puts every trainable parameter in one group with the factory's defaults.
+    dp_group / mp_group: the data-parallel group ZeRO shards over (None: the default group)
+    and the tensor-parallel group whose duplicated parameters count once in the global norm.
+    """
+    return ZeroEngine(model, config, optimizer, param_groups, dp_group, mp_group)
+
+
+def _collect_slots(module: nn.Module, param_groups, mp: Communicator) -> tuple[list[Slot], list[dict]]:
+    """Trainable parameters in gradient-ready order (reverse registration), with their groups."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if param_groups is None:
+        group_of, options = {id(p): 0 for _, p in named}, [{}]
+    else:
+        group_of, options = {}, []
+        for index, group in enumerate(param_groups):
+            group = dict(group)
+            params = group.pop("params")
+            for p in [params] if torch.is_tensor(params) else list(params):
+                if id(p) in group_of:
+                    raise ValueError(f"a parameter appears in param groups {group_of[id(p)]} and {index}")
+                group_of[id(p)] = index
+            options.append(group)
+        known = {id(p) for _, p in module.named_parameters()}
+        if set(group_of) - known:
+            raise ValueError("param_groups name a parameter that is not in the model")
+        missing = [n for n, p in named if id(p) not in group_of]
+        if missing:
+            raise ValueError(f"trainable parameters in no param group: {missing}")
+    return [Slot(name=n, param=p, group=group_of[id(p)],
+                 counted_in_norm=mp.size == 1 or mp.rank == 0 or getattr(p, "tensor_model_parallel", False))
+            for n, p in reversed(named)], options
+
+
+def _cast_rest(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
+    """Cast floating parameters not in `skip` (frozen ones) and floating buffers to `dtype`."""
+    for p in module.parameters():
+        if id(p) not in skip and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for m in module.modules():
+        for key, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                m._buffers[key] = buf.to(dtype)
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors in a nest of tuples, lists and dicts."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj

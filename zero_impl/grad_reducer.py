@@ -1,0 +1,155 @@
+"""Gradient hooks and bucket collectives for stages 0, 1 and 2.
+
+A hook on each parameter's gradient accumulation copies the fresh gradient into its bucket and
+frees it. A bucket is reduced as soon as all its parameters have reported, in bucket order, so
+every rank issues the same collectives in the same order even when backward visits parameters
+in a different order on different ranks.
+
+- stage 0: a persistent full-size gradient buffer, all-reduced bucket by bucket on the last
+  micro-step of an accumulation (the paper's baseline, like torch DDP with no_sync);
+- stage 1: the same buffer, reduce-scattered in place on the last micro-step: each rank keeps
+  the reduced values of its own slice, the view megatron-core's distributed optimizer uses;
+- stage 2: no full-size buffer at all: a bucket-sized staging buffer lives only from the
+  bucket's first gradient until its reduce-scatter into the persistent 1/N gradient shard
+  completes, on every micro-step.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .comm import Communicator
+from .layout import Bucket, Slot
+
+MAX_INFLIGHT_STAGING = 2  # stage 2: staging buffers of launched but unfinished reduce-scatters
+
+
+class BucketedGradReducer:
+    """Owns gradient storage for stages 0-2 and the hooks that fill and reduce it."""
+
+    def __init__(self, buckets: list[Bucket], slots: list[Slot], stage: int, comm: Communicator,
+                 dtype: torch.dtype, overlap: bool, device: torch.device) -> None:
+        self.buckets, self.stage, self.comm = buckets, stage, comm
+        self.dtype, self.overlap, self.device = dtype, overlap, device
+        self.slot_of = {id(s.param): s for s in slots}
+        total = buckets[-1].end if buckets else 0
+        if stage < 2:
+            self.full = torch.zeros(total, dtype=dtype, device=device)
+            self.shard_grads = [self.full[slice(*self._owned(b))] for b in buckets]
+        else:
+            self.full = None
+            self.shard_grads = [torch.zeros(b.shard_numel, dtype=dtype, device=device) for b in buckets]
+        self.staging: dict[int, torch.Tensor] = {}
+        self.inflight: deque = deque()
+        self.pending = [0] * len(buckets)
+        self.reported = set()
+        self.next_launch = len(buckets)
+        self.reducing = False
+        self.first_micro_step = True
+        self.peak_buffer_bytes = 0
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in slots]
+
+    def _owned(self, bucket: Bucket) -> tuple[int, int]:
+        return (bucket.start, bucket.end) if self.stage == 0 else bucket.shard_range(self.comm.rank)
+
+    # -- backward ---------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool, first_micro_step: bool) -> None:
+        """Arm the hooks: `reduce` on the micro-steps whose gradients are reduced now."""
+        self.reducing = reduce
+        self.first_micro_step = first_micro_step
+        self.pending = [len(b.slots) for b in self.buckets]
+        self.reported: set[int] = set()
+        self.next_launch = 0
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        slot = self.slot_of[id(param)]
+        bucket = self.buckets[slot.bucket]
+        if self.reducing and slot.bucket < self.next_launch:
+            raise RuntimeError(
+                f"parameter {slot.name!r} received a second gradient after its bucket was reduced "
+                "in this backward pass; a parameter may be used in several places, but its "
+                "gradient must be complete when its accumulation hook fires once")
+        if self.full is not None:
+            target, base = self.full, 0
+        else:
+            target, base = self._staging_for(bucket), bucket.start
+        target[slot.start - base:slot.end - base].add_(param.grad.view(-1))
+        param.grad = None
+        if self.reducing and id(param) not in self.reported:
+            self.reported.add(id(param))
+            self.pending[slot.bucket] -= 1
+            while self.next_launch < len(self.buckets) and self.pending[self.next_launch] <= 0:
+                self._launch(self.buckets[self.next_launch])
+                self.next_launch += 1
+
+    def _staging_for(self, bucket: Bucket) -> torch.Tensor:
+        buf = self.staging.get(bucket.index)
+        if buf is None:
+            buf = self.staging[bucket.index] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
+        return buf
+
+    def _launch(self, bucket: Bucket) -> None:
+        whole = slice(bucket.start, bucket.end)
+        if self.stage == 0:
+            work = self.comm.all_reduce(self.full[whole], purpose="grads", async_op=self.overlap)
+            self.inflight.append((work, None, None))
+        elif self.stage == 1:
+            work = self.comm.reduce_scatter(self.shard_grads[bucket.index], self.full[whole],
+                                            purpose="grads", async_op=self.overlap)
+            self.inflight.append((work, None, None))
+        else:
+            staging = self.staging.pop(bucket.index, None)
+            if staging is None:  # no parameter of this bucket got a gradient: reduce zeros
+                staging = self._staging_for(bucket)
+                self.staging.pop(bucket.index)
+            accumulate = not self.first_micro_step
+            out = torch.empty_like(self.shard_grads[bucket.index]) if accumulate else self.shard_grads[bucket.index]
+            work = self.comm.reduce_scatter(out, staging, purpose="grads", async_op=self.overlap)
+            self.inflight.append((work, staging, (bucket.index, out) if accumulate else None))
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
+        if work is None:  # blocking collective (or a world of one): done already
+            self._finish_oldest()
+        while self.stage == 2 and len(self.inflight) > MAX_INFLIGHT_STAGING:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, _staging, accumulate = self.inflight.popleft()
+        if work is not None:
+            work.wait()
+        if accumulate is not None:
+            index, out = accumulate
+            self.shard_grads[index].add_(out)
+
+    def end_backward(self) -> None:
+        """Reduce what is left (buckets with unused parameters) and wait for every collective."""
+        if self.reducing:
+            while self.next_launch < len(self.buckets):
+                self._launch(self.buckets[self.next_launch])
+                self.next_launch += 1
+        while self.inflight:
+            self._finish_oldest()
+        self.reducing = False
+
+    def zero_grads(self) -> None:
+        """Start a new accumulation (stage 2 overwrites its shard on the first micro-step)."""
+        if self.full is not None:
+            self.full.zero_()
+
+    # -- accounting -------------------------------------------------------------------------
+    def grad_bytes(self) -> int:
+        if self.full is not None:
+            return self.full.numel() * self.full.element_size()
+        return sum(g.numel() * g.element_size() for g in self.shard_grads)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of gradient staging buffers and reduce-scatter outputs alive right now."""
+        alive = list(self.staging.values())
+        for _work, staging, accumulate in self.inflight:
+            alive += [t for t in (staging, accumulate and accumulate[1]) if t is not None]
+        return sum(t.numel() * t.element_size() for t in alive)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()

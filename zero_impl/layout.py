@@ -1,0 +1,110 @@
+"""Flat, bucketed layout of parameters: where every element lives and which rank owns it.
+
+Parameters are packed back to back into one flat buffer, in reverse registration order (the
+order backward produces their gradients), and cut into buckets of about `bucket_size`
+elements. Each bucket is padded to a multiple of the shard count so that rank r owns the
+equal, contiguous slice [r*S, (r+1)*S) of every bucket (S = bucket size / shard count), the
+layout of megatron-core's `param_and_grad_buffer.py`. Inside a bucket, parameters are sorted
+by optimizer param group, so a rank's slice splits into at most one contiguous piece per group:
+each piece becomes one fp32 master tensor of that group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Slot:
+    """One parameter's place in the flat buffer."""
+
+    name: str
+    param: torch.nn.Parameter
+    group: int                 # optimizer param group index
+    counted_in_norm: bool      # False for tensor-parallel duplicates on TP ranks > 0
+    start: int = 0             # absolute offset in the flat buffer
+    bucket: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass
+class Piece:
+    """A contiguous range [start, end) of the flat buffer whose slots share one `key`."""
+
+    key: object
+    start: int
+    end: int
+
+
+@dataclass
+class Bucket:
+    """A contiguous range of the flat buffer, reduced (and gathered) as one unit."""
+
+    index: int
+    start: int
+    numel: int                 # padded: a multiple of shard_count
+    shard_count: int
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.shard_count
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Absolute [start, end) of rank's equal slice of this bucket."""
+        lo = self.start + rank * self.shard_numel
+        return lo, lo + self.shard_numel
+
+    def pieces(self, lo: int, hi: int, key) -> list[Piece]:
+        """Intersections of [lo, hi) with this bucket's slots, adjacent equal keys merged."""
+        out: list[Piece] = []
+        for slot in self.slots:
+            s, e = max(lo, slot.start), min(hi, slot.end)
+            if s >= e:
+                continue
+            k = key(slot)
+            if out and out[-1].key == k and out[-1].end == s:
+                out[-1].end = e
+            else:
+                out.append(Piece(k, s, e))
+        return out
+
+
+def build_buckets(slots: list[Slot], bucket_size: int, shard_count: int, base: int = 0) -> list[Bucket]:
+    """Assign offsets to `slots` (given in gradient-ready order) and group them into buckets.
+
+    A parameter larger than `bucket_size` gets a bucket of its own; parameters are never split.
+    """
+    groups: list[list[Slot]] = [[]]
+    size = 0
+    for slot in slots:
+        if groups[-1] and size + slot.numel > bucket_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(slot)
+        size += slot.numel
+    buckets: list[Bucket] = []
+    offset = base
+    for index, members in enumerate(g for g in groups if g):
+        members = sorted(members, key=lambda s: s.group)  # stable: keeps backward order per group
+        bucket = Bucket(index=index, start=offset, numel=0, shard_count=shard_count, slots=members)
+        for slot in members:
+            slot.start, slot.bucket = offset, index
+            offset += slot.numel
+        used = offset - bucket.start
+        bucket.numel = -(-used // shard_count) * shard_count
+        offset = bucket.end
+        buckets.append(bucket)
+    return buckets

@@ -1,0 +1,153 @@
+"""The partitioned optimizer shared by all stages: fp32 master shard, norm, clipping, loss scale.
+
+Whatever the stage, after backward each rank holds the reduced gradient of the slices of the
+flat buffer it owns (stage 0 "owns" everything). This module turns those slices into fp32
+master tensors, one per (bucket, param group) piece, hands them to an ordinary element-wise
+torch optimizer, and writes the updated values back into the model-precision shard.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .comm import Communicator
+from .layout import Bucket, Piece
+from .loss_scaler import LossScaler
+from .memory import storage_bytes
+
+
+@dataclass
+class OwnedShard:
+    """The slice [lo, hi) of one bucket that this rank updates, in model precision."""
+
+    bucket: Bucket
+    lo: int
+    hi: int
+    param: torch.Tensor        # model-precision storage of [lo, hi)
+    grad: torch.Tensor | None  # reduced gradient of [lo, hi) (reduce dtype) once backward is done
+
+
+@dataclass
+class Master:
+    """fp32 master tensor of one piece of an owned shard."""
+
+    shard: OwnedShard
+    piece: Piece
+    tensor: torch.nn.Parameter
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of a shard-shaped tensor `t` that this master covers."""
+        return t[self.piece.start - self.shard.lo:self.piece.end - self.shard.lo]
+
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+class ShardedOptimizer:
+    """Updates this rank's shards with a torch optimizer built by `factory` over fp32 masters.
+
+    `grads_replicated` is True for stage 0, where every rank holds the whole all-reduced
+    gradient, so norms must not be summed over data-parallel ranks.
+    """
+
+    def __init__(self, shards: list[OwnedShard], fp32_source: Callable[[int, int], torch.Tensor],
+                 group_options: list[dict], factory: OptimizerFactory, *, clip_grad_norm: float,
+                 scaler: LossScaler, dp: Communicator, mp: Communicator, grads_replicated: bool,
+                 share_master: bool) -> None:
+        self.shards = shards
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = scaler
+        self.dp, self.mp = dp, mp
+        self.grads_replicated = grads_replicated
+        self.share_master = share_master  # fp32 training: the master *is* the model's shard
+        self.masters: list[Master] = []
+        for shard in shards:
+            for piece in shard.bucket.pieces(shard.lo, shard.hi, key=lambda s: s.group):
+                if share_master:
+                    data = shard.param[piece.start - shard.lo:piece.end - shard.lo]
+                else:
+                    data = fp32_source(piece.start, piece.end).detach().float().clone()
+                self.masters.append(Master(shard, piece, torch.nn.Parameter(data)))
+        self.excluded_from_norm = [  # (shard, piece) of TP duplicates, counted on TP rank 0 only
+            (shard, piece) for shard in shards
+            for piece in shard.bucket.pieces(shard.lo, shard.hi, key=lambda s: s.counted_in_norm)
+            if not piece.key]
+        groups = [dict(options, params=[m.tensor for m in self.masters if m.piece.key == index])
+                  for index, options in enumerate(group_options)]
+        self.optimizer = factory(groups)
+        self.grad_norm = float("nan")
+        self.skipped_steps = 0
+
+    def global_grad_sumsq(self) -> tuple[float, bool]:
+        """(sum of squares of the true, unscaled-by-clip gradient, any non-finite value anywhere)."""
+        counted = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32)
+        for shard in self.shards:
+            sq = torch.linalg.vector_norm(shard.grad, dtype=torch.float32).square()
+            counted += sq
+            total += sq
+        for shard, piece in self.excluded_from_norm:
+            g = shard.grad[piece.start - shard.lo:piece.end - shard.lo]
+            counted -= torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        sums = torch.stack([counted, total])
+        if self.grads_replicated and self.dp.size > 1:
+            sums /= self.dp.size  # every DP rank holds the same full gradient: count it once
+        self.dp.all_reduce(sums, purpose="norm")
+        self.mp.all_reduce(sums, purpose="norm")
+        return float(sums[0]), not math.isfinite(float(sums[1]))
+
+    def step(self) -> bool:
+        """Apply one update from the reduced gradients; False (and nothing changed) on overflow."""
+        sumsq, overflow = self.global_grad_sumsq()
+        scale = self.scaler.scale
+        if overflow:
+            self.scaler.update(overflow=True)
+            self.skipped_steps += 1
+            self.grad_norm = float("inf")
+            return False
+        self.grad_norm = math.sqrt(max(sumsq, 0.0)) / scale
+        coef = 1.0 / scale
+        if self.clip_grad_norm > 0:
+            # Same formula as torch.nn.utils.clip_grad_norm_.
+            coef *= min(1.0, self.clip_grad_norm / (self.grad_norm + 1e-6))
+        for m in self.masters:
+            g = m.local(m.shard.grad)
+            if g.dtype != torch.float32:
+                g = g.float()
+            if coef != 1.0:
+                g.mul_(coef)
+            m.tensor.grad = g
+        self.optimizer.step()
+        for m in self.masters:
+            m.tensor.grad = None
+            if not self.share_master:
+                m.local(m.shard.param).copy_(m.tensor)
+        self.scaler.update(overflow=False)
+        return True
+
+    def full_fp32(self, total: int, buckets: list[Bucket], comm: Communicator | None) -> torch.Tensor:
+        """The whole flat buffer in fp32, from the masters (all-gathered when sharded)."""
+        flat = torch.zeros(total, dtype=torch.float32)
+        for m in self.masters:
+            flat[m.piece.start:m.piece.end] = m.tensor.detach()
+        if comm is not None:
+            for b in buckets:
+                lo, hi = b.shard_range(comm.rank)
+                comm.all_gather(flat[b.start:b.end], flat[lo:hi], purpose="export")
+        return flat
+
+    def state_bytes(self) -> int:
+        """Bytes of the fp32 masters (unless shared with the model) and every optimizer state tensor."""
+        masters = [] if self.share_master else [m.tensor for m in self.masters]
+        states = [v for state in self.optimizer.state.values() for v in state.values()]
+        return storage_bytes(masters + states)
+
+    def state_elements_per_param(self) -> int:
+        """Optimizer state tensors per parameter element (2 for Adam), once states exist."""
+        numel = sum(m.tensor.numel() for m in self.masters)
+        states = sum(v.numel() for state in self.optimizer.state.values() for v in state.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        return round(states / numel) if numel else 0
