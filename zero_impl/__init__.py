@@ -4,6 +4,7 @@
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=2, precision="bf16"),
                                   optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4))
 """
+from . import loss_scaler
 from .config import ZeroConfig
 from .engine import ZeroEngine, initialize
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 import torch
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STAGES = (0, 1, 2, 3)
+STAGES = (0, 1, 2)
 
 
 @dataclass
@@ -45,6 +45,10 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):  # YAML and DeepSpeed write 5e8
+            value = getattr(self, key)
+            if isinstance(value, float) and value.is_integer():
+                setattr(self, key, int(value))
         _check_choice("stage", self.stage, STAGES)
         _check_choice("precision", self.precision, tuple(DTYPES))
         if self.reduce_dtype is not None:

@@ -1,0 +1,72 @@
+"""ZeroConfig validation, param-group handling and the flat bucket layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_impl
+from helpers import adamw, make_model
+from zero_impl.layout import Slot, build_buckets
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("stage", 5, "ZeroConfig.stage must be one of [0, 1, 2]"),
+    ("precision", "fp8", "ZeroConfig.precision must be one of ['fp32', 'bf16', 'fp16']"),
+    ("reduce_dtype", "int8", "ZeroConfig.reduce_dtype must be one of"),
+    ("grad_accum_steps", 0, "ZeroConfig.grad_accum_steps must be a positive integer"),
+    ("reduce_bucket_size", -3, "ZeroConfig.reduce_bucket_size must be a positive integer"),
+    ("clip_grad_norm", -1.0, "ZeroConfig.clip_grad_norm must be >= 0"),
+    ("overlap_comm", "yes", "ZeroConfig.overlap_comm must be true or false"),
+])
+def test_bad_config_names_key_and_allowed_values(key, value, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        zero_impl.ZeroConfig(**{key: value})
+
+
+def test_from_dict_rejects_unknown_keys_and_accepts_float_sizes():
+    with pytest.raises(ValueError, match=r"unknown ZeroConfig key\(s\) \['stagee'\]"):
+        zero_impl.ZeroConfig.from_dict({"stagee": 2})
+    assert zero_impl.ZeroConfig.from_dict({"reduce_bucket_size": 5e8}).reduce_bucket_size == 500_000_000
+
+
+def test_param_group_errors():
+    model = make_model()
+    weights = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    with pytest.raises(ValueError, match="trainable parameters in no param group: .*ln"):
+        zero_impl.initialize(model, zero_impl.ZeroConfig(), adamw, param_groups=[{"params": weights}])
+    with pytest.raises(ValueError, match="appears in param groups 0 and 1"):
+        zero_impl.initialize(make_model(), zero_impl.ZeroConfig(), adamw,
+                             param_groups=[{"params": weights}, {"params": weights[:1]}])
+
+
+def test_single_process_without_torch_distributed():
+    """No process group at all: a world of one, nothing communicated."""
+    model = make_model()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=2), adamw)
+    tokens = torch.randint(0, 67, (2, 16))
+    engine.backward(zero_impl.tiny_gpt.lm_loss(engine(tokens), tokens))
+    assert engine.step() is True
+    assert engine.stats()["comm"]["total"]["elements"] == 0
+
+
+@pytest.mark.parametrize("shard_count", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_size", [1, 7, 40, 10_000])
+def test_buckets_shard_evenly_and_cover_every_element(shard_count, bucket_size):
+    sizes = [5, 13, 1, 40, 7, 22, 3]
+    slots = [Slot(f"p{i}", torch.nn.Parameter(torch.zeros(n)), group=i % 2, counted_in_norm=True)
+             for i, n in enumerate(sizes)]
+    buckets = build_buckets(slots, bucket_size, shard_count)
+    covered = []
+    for b in buckets:
+        assert b.numel % shard_count == 0
+        assert b.numel - sum(s.numel for s in b.slots) < shard_count   # padding only to divide evenly
+        assert [s.group for s in b.slots] == sorted(s.group for s in b.slots)
+        assert len(b.slots) == 1 or sum(s.numel for s in b.slots) <= bucket_size
+        for rank in range(shard_count):
+            lo, hi = b.shard_range(rank)
+            pieces = b.pieces(lo, hi, key=lambda s: s.group)
+            assert len(pieces) <= 2 and len({p.key for p in pieces}) == len(pieces)
+            covered += [i for p in pieces for i in range(p.start, p.end)]
+    slot_elements = sorted(i for s in slots for i in range(s.start, s.end))
+    assert sorted(covered) == slot_elements  # every real element owned exactly once
+    assert buckets[0].start == 0 and all(a.end == b.start for a, b in zip(buckets, buckets[1:]))
