@@ -18,11 +18,14 @@ CLIP = 0.28  # between the gradient norms of the run (0.26-0.32): some steps cli
 MICRO_BATCH = 2
 
 
-def make_model() -> TinyGPT:
-    """Same initial weights in every process; position embeddings frozen (a frozen parameter)."""
+def make_model(tie_blocks: bool = False) -> TinyGPT:
+    """Same initial weights in every process; position embeddings frozen (a frozen parameter).
+    `tie_blocks`: block 1's MLP input weight is block 0's (one Parameter in two stage-3 units)."""
     torch.manual_seed(0)
     model = TinyGPT(MODEL)
     model.wpe.weight.requires_grad_(False)
+    if tie_blocks:
+        model.blocks[1].fc.weight = model.blocks[0].fc.weight
     return model
 
 
@@ -43,13 +46,14 @@ def global_batch(step: int, world: int, accum: int) -> torch.Tensor:
     return tokens.view(accum, world, MICRO_BATCH, MODEL.seq_len)
 
 
-def reference_run(steps: int, world: int, accum: int, clip: float = CLIP, precision: str = "fp32"):
+def reference_run(steps: int, world: int, accum: int, clip: float = CLIP, precision: str = "fp32",
+                  tie_blocks: bool = False):
     """Single-process AdamW on each step's global batch: (named parameters, losses, grad norms).
 
     With precision "bf16"/"fp16" it is the textbook mixed-precision loop, written independently
     of zero_impl: a low-precision model, fp32 master weights in the optimizer, fp16 loss scaled.
     """
-    model = make_model()
+    model = make_model(tie_blocks)
     names = [n for n, _ in model.named_parameters()]
     masters = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     model.to(zero_impl.config.DTYPES[precision])
@@ -89,10 +93,10 @@ class _MasterView(torch.nn.Module):
         return iter(self._list)
 
 
-def zero_run(steps: int, accum: int, **config) -> dict:
+def zero_run(steps: int, accum: int, tie_blocks: bool = False, **config) -> dict:
     """Runs inside a rank: the same training through the engine. Returns what the tests compare."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = make_model()
+    model = make_model(tie_blocks)
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(grad_accum_steps=accum, **config),
                                   optimizer=adamw, param_groups=param_groups(model))
     losses, applied = [], []

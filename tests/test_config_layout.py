@@ -10,11 +10,13 @@ from zero_impl.layout import Slot, build_buckets
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("stage", 5, "ZeroConfig.stage must be one of [0, 1, 2]"),
+    ("stage", 5, "ZeroConfig.stage must be one of [0, 1, 2, 3]"),
     ("precision", "fp8", "ZeroConfig.precision must be one of ['fp32', 'bf16', 'fp16']"),
     ("reduce_dtype", "int8", "ZeroConfig.reduce_dtype must be one of"),
-    ("grad_accum_steps", 0, "ZeroConfig.grad_accum_steps must be a positive integer"),
-    ("reduce_bucket_size", -3, "ZeroConfig.reduce_bucket_size must be a positive integer"),
+    ("grad_accum_steps", 0, "ZeroConfig.grad_accum_steps must be an integer >= 1, got 0"),
+    ("reduce_bucket_size", -3, "ZeroConfig.reduce_bucket_size must be an integer >= 1, got -3"),
+    ("stage3_max_live_units", 1, "ZeroConfig.stage3_max_live_units must be an integer >= 2, got 1"),
+    ("stage3_param_persistence_threshold", -1, "ZeroConfig.stage3_param_persistence_threshold must be an integer >= 0"),
     ("clip_grad_norm", -1.0, "ZeroConfig.clip_grad_norm must be >= 0"),
     ("overlap_comm", "yes", "ZeroConfig.overlap_comm must be true or false"),
 ])

@@ -55,7 +55,7 @@ def _after_backward(stage: int) -> dict:
     full_grad_bytes = 2 * engine.psi
     return {"param_grads": [n for n, p in engine.module.named_parameters() if p.grad is not None],
             "large": _large_live_storages(engine, full_grad_bytes // 2),
-            "grad_bytes": engine.memory()["measured"]["grads"], "padded": engine.flat.numel,
+            "grad_bytes": engine.memory()["measured"]["grads"], "padded": engine.params.numel,
             "peak_buffers": engine.memory()["measured"]["peak_buffers"]}
 
 
@@ -83,7 +83,7 @@ def _memory(stage: int) -> dict:
     frozen = sum(p.numel() * p.element_size() for p in engine.module.parameters() if not p.requires_grad)
     scalars = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
                   for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
-    return {"memory": engine.memory(), "psi": engine.psi, "padded": engine.flat.numel,
+    return {"memory": engine.memory(), "psi": engine.psi, "padded": engine.params.numel,
             "frozen": frozen, "scalars": scalars, "stats": engine.stats()}
 
 
@@ -123,8 +123,8 @@ def _comm(stage: int, accum: int) -> dict:
             engine.step()
     engine.full_parameters()  # export traffic stays out of the per-step figures
     stats = engine.stats()
-    return {"comm": stats["comm"]["last_step"], "psi": engine.psi, "padded": engine.flat.numel,
-            "buckets": len(engine.flat.buckets)}
+    return {"comm": stats["comm"]["last_step"], "psi": engine.psi, "padded": engine.params.numel,
+            "buckets": len(engine.params.buckets)}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

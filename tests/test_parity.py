@@ -42,7 +42,7 @@ def test_reference_clips():
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_matches_adamw(stage, world):
     params, losses, _ = reference(world)
     results = run(world, stage=stage, clip_grad_norm=CLIP, reduce_bucket_size=500)
@@ -58,6 +58,13 @@ def test_fp32_matches_adamw(stage, world):
     (2, 3, {"reduce_bucket_size": 500_000_000}),          # one bucket for the whole model
     (1, 3, {"allgather_bucket_size": 100}),               # chunked parameter all-gather
     (2, 4, {"reduce_bucket_size": 1, "allgather_bucket_size": 7}),  # a bucket per parameter
+    (3, 2, {"overlap_comm": False}),
+    (3, 3, {"stage3_prefetch_bucket_size": 0}),           # no prefetch: every gather on demand
+    (3, 4, {"stage3_max_live_units": 2}),                 # room for the root and one layer only
+    (3, 3, {"stage3_param_persistence_threshold": 40}),   # biases and norms stay gathered
+    (3, 2, {"stage3_unit_classes": ("Block",)}),
+    (3, 3, {"check_collective_order": True}),
+    (1, 2, {"check_collective_order": True}),
 ])
 def test_fp32_bucketing_variants(stage, world, config):
     params, _, _ = reference(world)
@@ -78,7 +85,7 @@ LOSS_TOL = {"bf16": 1e-3, "fp16": 1e-4}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mixed_precision_as_accurate_as_textbook_loop(precision, stage):
     params, losses, _ = reference(2)
     textbook, _, _ = reference_run(STEPS, 2, ACCUM, precision=precision)

@@ -77,19 +77,37 @@ class Communicator:
     Without torch.distributed initialized, the world is this process alone.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, tag: str, solo: bool = False) -> None:
-        """`group` None is the default group; `solo` makes a world of one whatever the group."""
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, tag: str, solo: bool = False,
+                 check_order: bool = False) -> None:
+        """`group` None is the default group; `solo` makes a world of one whatever the group;
+        `check_order` compares every collective across ranks before issuing it."""
         self.group = group
         self.ledger = ledger
         self.tag = tag
+        self.check_order = check_order
+        self.calls = 0
         active = not solo and dist.is_available() and dist.is_initialized()
         self.size = dist.get_world_size(group) if active else 1
         self.rank = dist.get_rank(group) if active else 0
 
+    def _record(self, kind: str, purpose: str, elements: int, tensor: torch.Tensor) -> None:
+        """Count a collective about to be issued; with check_order, first make sure every rank
+        of the group is about to issue the same one (raising on all of them if not)."""
+        self.calls += 1
+        if self.check_order:
+            mine = (self.calls, kind, purpose, elements, str(tensor.dtype))
+            everyone: list = [None] * self.size
+            dist.all_gather_object(everyone, mine, group=self.group)
+            if any(other != mine for other in everyone):
+                described = "; ".join(f"rank {r}: call #{c} {k}/{p} of {n} {d} elements"
+                                      for r, (c, k, p, n, d) in enumerate(everyone))
+                raise RuntimeError(f"collective order diverged on the {self.tag} group: {described}")
+        self.ledger.record(kind, purpose, elements, tensor.element_size(), self.tag)
+
     def all_reduce(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size == 1:
             return None
-        self.ledger.record("all_reduce", purpose, 2 * tensor.numel(), tensor.element_size(), self.tag)
+        self._record("all_reduce", purpose, 2 * tensor.numel(), tensor)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
@@ -98,7 +116,7 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
-        self.ledger.record("reduce_scatter", purpose, input.numel(), input.element_size(), self.tag)
+        self._record("reduce_scatter", purpose, input.numel(), input)
         return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
@@ -107,7 +125,7 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
-        self.ledger.record("all_gather", purpose, output.numel(), output.element_size(), self.tag)
+        self._record("all_gather", purpose, output.numel(), output)
         return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather_into_views(self, outputs: list[torch.Tensor], input: torch.Tensor, purpose: str,
@@ -116,5 +134,5 @@ class Communicator:
         if self.size == 1:
             outputs[0].copy_(input)
             return None
-        self.ledger.record("all_gather", purpose, input.numel() * self.size, input.element_size(), self.tag)
+        self._record("all_gather", purpose, input.numel() * self.size, input)
         return dist.all_gather(outputs, input, group=self.group, async_op=async_op)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 import torch
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 @dataclass
@@ -29,6 +29,14 @@ class ZeroConfig:
         while backward computes the next bucket; False = blocking collectives.
     loss_scale: fp16 only; 0 = dynamic loss scaling starting at 2**initial_scale_power, halved
         on overflow and doubled after loss_scale_window clean steps, never below min_loss_scale.
+    stage3_unit_classes: class names of the submodules gathered as one unit (default: the
+        blocks of the first ModuleList); everything else belongs to the root unit.
+    stage3_max_live_units: most units gathered at once, the root included (>= 2).
+    stage3_prefetch_bucket_size: elements of upcoming units to all-gather ahead (0 = no prefetch).
+    stage3_param_persistence_threshold: parameters of at most this many elements stay gathered
+        (DeepSpeed uses 1e5; 0 partitions everything, as the paper's Pos+g+p).
+    check_collective_order: before every collective, check that all ranks of the group issue
+        the same one, and raise naming the difference instead of hanging (slow; for debugging).
     """
 
     stage: int = 0
@@ -43,25 +51,39 @@ class ZeroConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
+    stage3_unit_classes: tuple[str, ...] | None = None
+    stage3_max_live_units: int = 3
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 0
+    check_collective_order: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("reduce_bucket_size", "allgather_bucket_size"):  # YAML and DeepSpeed write 5e8
-            value = getattr(self, key)
-            if isinstance(value, float) and value.is_integer():
-                setattr(self, key, int(value))
         _check_choice("stage", self.stage, STAGES)
         _check_choice("precision", self.precision, tuple(DTYPES))
         if self.reduce_dtype is not None:
             _check_choice("reduce_dtype", self.reduce_dtype, tuple(DTYPES) + (None,))
-        for key in ("grad_accum_steps", "reduce_bucket_size", "allgather_bucket_size", "loss_scale_window"):
-            _check_positive_int(key, getattr(self, key))
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                    "stage3_param_persistence_threshold"):
+            value = getattr(self, key)  # YAML and DeepSpeed configs write sizes like 5e8
+            if isinstance(value, float) and value.is_integer():
+                setattr(self, key, int(value))
+        for key, minimum in (("grad_accum_steps", 1), ("reduce_bucket_size", 1), ("allgather_bucket_size", 1),
+                             ("loss_scale_window", 1), ("stage3_prefetch_bucket_size", 0),
+                             ("stage3_param_persistence_threshold", 0),
+                             ("stage3_max_live_units", 2)):  # 2: the root unit and the running one
+            _check_int(key, getattr(self, key), minimum)
+        if self.stage3_unit_classes is not None:
+            if isinstance(self.stage3_unit_classes, str):
+                self.stage3_unit_classes = (self.stage3_unit_classes,)
+            self.stage3_unit_classes = tuple(self.stage3_unit_classes)
         for key in ("clip_grad_norm", "loss_scale"):
             if not getattr(self, key) >= 0:
                 raise ValueError(f"ZeroConfig.{key} must be >= 0, got {getattr(self, key)!r}")
         if not self.min_loss_scale > 0:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}")
-        if not isinstance(self.overlap_comm, bool):
-            raise ValueError(f"ZeroConfig.overlap_comm must be true or false, got {self.overlap_comm!r}")
+        for key in ("overlap_comm", "check_collective_order"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"ZeroConfig.{key} must be true or false, got {getattr(self, key)!r}")
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -90,6 +112,6 @@ def _check_choice(key: str, value, allowed: tuple) -> None:
         raise ValueError(f"ZeroConfig.{key} must be one of {list(allowed)}, got {value!r}")
 
 
-def _check_positive_int(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"ZeroConfig.{key} must be a positive integer, got {value!r}")
+def _check_int(key: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"ZeroConfig.{key} must be an integer >= {minimum}, got {value!r}")

@@ -12,7 +12,7 @@ is common to all stages.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -25,47 +25,62 @@ from .layout import Slot
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes, storage_bytes
 from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer
+from .stage3 import Stage3Params
 
 
 class ZeroEngine(nn.Module):
     """A module wrapped for ZeRO data parallelism (optionally inside a tensor-parallel group)."""
 
     def __init__(self, module: nn.Module, config: ZeroConfig, optimizer: OptimizerFactory,
-                 param_groups: Iterable[dict] | None = None, dp_group=None, mp_group=None) -> None:
+                 param_groups: Iterable[dict] | None = None, dp_group=None, mp_group=None,
+                 param_init_fn: Callable[[nn.Module], None] | None = None) -> None:
         super().__init__()
         self.module, self.config = module, config
         self.ledger = CommLedger()
-        self.dp = Communicator(dp_group, self.ledger, "dp")
-        self.mp = Communicator(mp_group, self.ledger, "mp", solo=mp_group is None)
-        self.slots, group_options = _collect_slots(module, param_groups, self.mp)
-        self.psi = sum(s.numel for s in self.slots)
-        device = self.slots[0].param.device if self.slots else torch.device("cpu")
+        self.dp = Communicator(dp_group, self.ledger, "dp", check_order=config.check_collective_order)
+        self.mp = Communicator(mp_group, self.ledger, "mp", solo=mp_group is None,
+                               check_order=config.check_collective_order)
+        slots, group_options = _collect_slots(module, param_groups, self.mp, with_frozen=config.stage == 3)
         dtype = config.param_dtype
-
-        self.flat = FlatParamBuffer(self.slots, bucket_size=config.reduce_bucket_size,
-                                    allgather_bucket_size=config.allgather_bucket_size,
-                                    sharded=config.stage > 0, comm=self.dp, overlap=config.overlap_comm)
-        self.grads = BucketedGradReducer(self.flat.buckets, self.slots, config.stage, self.dp,
-                                         config.grad_reduce_dtype, config.overlap_comm, device)
-        shards = []
-        for b in self.flat.buckets:
-            lo, hi = self.flat.owned_range(b)
-            shards.append(OwnedShard(b, lo, hi, param=self.flat.data[lo:hi], grad=self.grads.shard_grads[b.index]))
+        if config.stage == 3:
+            self.params = Stage3Params(module, slots, config, self.dp, param_init_fn)
+        else:
+            if any(s.param.is_meta for s in slots):
+                raise ValueError("a model on the meta device needs stage 3, which builds it unit by unit")
+            self.params = FlatParamBuffer(slots, bucket_size=config.reduce_bucket_size,
+                                          allgather_bucket_size=config.allgather_bucket_size,
+                                          sharded=config.stage > 0, comm=self.dp, overlap=config.overlap_comm)
+        self.slots = slots  # stage 3 may have swapped meta parameters for real ones: read them now
+        trainable = [s for s in slots if s.param.requires_grad]
+        self.psi = sum(s.numel for s in trainable)
+        device = slots[0].param.device if slots else torch.device("cpu")
+        self.grads = BucketedGradReducer(
+            self.params.buckets, trainable, config.stage, self.dp, config.grad_reduce_dtype,
+            config.overlap_comm, device,
+            on_bucket_complete=self.params.on_gradients_complete if config.stage == 3 else None)
+        shards = [OwnedShard(b, *self.params.owned_range(b), param=self.params.shard_view(b),
+                             grad=self.grads.shard_grads[b.index]) for b in self.params.buckets]
         self.scaler = LossScaler(enabled=config.precision == "fp16", static_scale=config.loss_scale,
                                  initial_scale_power=config.initial_scale_power,
                                  window=config.loss_scale_window, min_scale=config.min_loss_scale)
         self.sharded_optimizer = ShardedOptimizer(
-            shards, lambda lo, hi: self.flat.data[lo:hi], group_options, optimizer,
+            shards, self._fp32_source, group_options, optimizer,
             clip_grad_norm=config.clip_grad_norm, scaler=self.scaler, dp=self.dp, mp=self.mp,
             grads_replicated=config.stage == 0, share_master=not config.mixed_precision)
-        self.flat.bind(dtype)
+        self.params.bind(dtype)
         for shard in shards:
-            shard.param = self.flat.data[shard.lo:shard.hi]
-        _cast_rest(module, dtype, {id(s.param) for s in self.slots})
+            shard.param = self.params.shard_view(shard.bucket)
+        _cast_rest(module, dtype, {id(s.param) for s in slots})
 
         self.micro_steps = 0
         self.steps = 0
         self._boundary_traffic = [self.ledger.snapshot(), self.ledger.snapshot()]
+
+    def _fp32_source(self, lo: int, hi: int) -> torch.Tensor:
+        """fp32 values of the flat range [lo, hi) of one owned shard, before `bind`."""
+        bucket = next(b for b in self.params.buckets if b.start <= lo < b.end)
+        own_lo, _ = self.params.owned_range(bucket)
+        return self.params.shard_view(bucket)[lo - own_lo:hi - own_lo]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -83,11 +98,15 @@ class ZeroEngine(nn.Module):
         """Backpropagate `loss` / grad_accum_steps (times the fp16 loss scale) and reduce gradients."""
         accum = self.config.grad_accum_steps
         boundary = (self.micro_steps + 1) % accum == 0
-        self.grads.begin_backward(reduce=boundary or self.config.stage == 2,
+        self.grads.begin_backward(reduce=boundary or self.config.stage >= 2,
                                   first_micro_step=self.micro_steps % accum == 0)
-        # Dividing by the DP size here turns the reducers' sums into averages at no extra cost.
-        (loss * (self.scaler.scale / (accum * self.dp.size))).backward()
-        self.grads.end_backward()
+        self.params.begin_backward()
+        try:
+            # Dividing by the DP size here turns the reducers' sums into averages at no extra cost.
+            (loss * (self.scaler.scale / (accum * self.dp.size))).backward()
+            self.grads.end_backward()
+        finally:
+            self.params.end_backward()
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -100,8 +119,7 @@ class ZeroEngine(nn.Module):
         if self.micro_steps % self.config.grad_accum_steps:
             return False
         applied = self.sharded_optimizer.step()
-        if applied:
-            self.flat.all_gather_updated()
+        self.params.after_step(applied)
         self.grads.zero_grads()
         self.steps += 1
         self._boundary_traffic = [self._boundary_traffic[1], self.ledger.snapshot()]
@@ -115,8 +133,8 @@ class ZeroEngine(nn.Module):
         Trainable parameters come from the fp32 masters; the all-gather this needs is counted
         under the purpose "export", outside the per-step figures.
         """
-        flat = self.sharded_optimizer.full_fp32(self.flat.numel, self.flat.buckets,
-                                                self.dp if self.flat.sharded else None)
+        flat = self.sharded_optimizer.full_fp32(self.params.numel, self.params.buckets,
+                                                self.dp if self.params.sharded else None)
         slot_of = {id(s.param): s for s in self.slots}
         out = {}
         for name, p in self.module.named_parameters():
@@ -127,13 +145,15 @@ class ZeroEngine(nn.Module):
     def memory(self) -> dict[str, dict[str, float]]:
         """Model-state bytes on this rank, measured from live storages and predicted by Table 1."""
         measured = {
-            "params": storage_bytes(self.module.parameters()),
+            "params": storage_bytes([*self.module.parameters(), *self.params.param_tensors()]),
             "grads": self.grads.grad_bytes(),
             "optimizer_states": self.sharded_optimizer.state_bytes(),
         }
         measured["total"] = sum(measured.values())
         measured["buffers"] = self.grads.buffer_bytes()
         measured["peak_buffers"] = self.grads.peak_buffer_bytes
+        if self.config.stage == 3:
+            measured["peak_gathered_params"] = self.params.peak_gathered_bytes
         master_bytes = 4 if self.config.mixed_precision else 0
         predicted = model_state_bytes(
             self.psi, self.config.stage, self.dp.size,
@@ -149,7 +169,7 @@ class ZeroEngine(nn.Module):
             "dp_size": self.dp.size,
             "mp_size": self.mp.size,
             "psi": self.psi,
-            "padded_psi": self.flat.numel,
+            "padded_psi": self.params.numel,
             "steps": self.steps,
             "micro_steps": self.micro_steps,
             "skipped_steps": self.sharded_optimizer.skipped_steps,
@@ -162,20 +182,27 @@ class ZeroEngine(nn.Module):
 
 
 def initialize(model: nn.Module, config: ZeroConfig, optimizer: OptimizerFactory,
-               param_groups: Iterable[dict] | None = None, dp_group=None, mp_group=None) -> ZeroEngine:
+               param_groups: Iterable[dict] | None = None, dp_group=None, mp_group=None,
+               param_init_fn: Callable[[nn.Module], None] | None = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training; `optimizer` builds a torch optimizer from param groups.
 
     param_groups: torch-style groups over the model's parameters ({"params": [...], **options});
     None puts every trainable parameter in one group with the factory's defaults.
     dp_group / mp_group: the data-parallel group ZeRO shards over (None: the default group)
     and the tensor-parallel group whose duplicated parameters count once in the global norm.
+    param_init_fn: stage 3 with a model built on the meta device (`with torch.device("meta")`):
+    called on each module owning parameters of a unit, once that unit alone is materialized
+    (default: the module's reset_parameters()), so the full model never exists on any rank.
     """
-    return ZeroEngine(model, config, optimizer, param_groups, dp_group, mp_group)
+    return ZeroEngine(model, config, optimizer, param_groups, dp_group, mp_group, param_init_fn)
 
 
-def _collect_slots(module: nn.Module, param_groups, mp: Communicator) -> tuple[list[Slot], list[dict]]:
-    """Trainable parameters in gradient-ready order (reverse registration), with their groups."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+def _collect_slots(module: nn.Module, param_groups, mp: Communicator,
+                   with_frozen: bool) -> tuple[list[Slot], list[dict]]:
+    """Trainable (and, for stage 3, frozen) parameters in gradient-ready order (reverse
+    registration), with their param group index (None for frozen ones)."""
+    everything = list(module.named_parameters())
+    named = [(n, p) for n, p in everything if p.requires_grad]
     if param_groups is None:
         group_of, options = {id(p): 0 for _, p in named}, [{}]
     else:
@@ -194,9 +221,10 @@ def _collect_slots(module: nn.Module, param_groups, mp: Communicator) -> tuple[l
         missing = [n for n, p in named if id(p) not in group_of]
         if missing:
             raise ValueError(f"trainable parameters in no param group: {missing}")
-    return [Slot(name=n, param=p, group=group_of[id(p)],
+    chosen = everything if with_frozen else named
+    return [Slot(name=n, param=p, group=group_of[id(p)] if p.requires_grad else None,
                  counted_in_norm=mp.size == 1 or mp.rank == 0 or getattr(p, "tensor_model_parallel", False))
-            for n, p in reversed(named)], options
+            for n, p in reversed(chosen)], options
 
 
 def _cast_rest(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:

@@ -31,15 +31,26 @@ class FlatParamBuffer:
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.shard_range(self.comm.rank) if self.sharded else (bucket.start, bucket.end)
 
+    def shard_view(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's slice of `bucket` (fp32 before `bind`, model precision after)."""
+        lo, hi = self.owned_range(bucket)
+        return self.data[lo:hi]
+
     def bind(self, dtype: torch.dtype) -> None:
         """Convert the buffer to `dtype` and make each parameter's .data a view into it."""
         self.data = self.data.to(dtype)
         for s in self.slots:
             s.param.data = self.data[s.start:s.end].view(s.param.shape)
 
-    def all_gather_updated(self) -> None:
-        """Stages 1-2, after a step: every rank's updated slice to every rank, in place."""
-        if not self.sharded:
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def after_step(self, applied: bool) -> None:
+        """Stages 1-2, after an update: every rank's updated slice to every rank, in place."""
+        if not self.sharded or not applied:
             return
         works = []
         for b in self.buckets:
@@ -60,5 +71,5 @@ class FlatParamBuffer:
             if w is not None:
                 w.wait()
 
-    def param_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [self.data]

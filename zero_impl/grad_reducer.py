@@ -11,11 +11,13 @@ in a different order on different ranks.
   the reduced values of its own slice, the view megatron-core's distributed optimizer uses;
 - stage 2: no full-size buffer at all: a bucket-sized staging buffer lives only from the
   bucket's first gradient until its reduce-scatter into the persistent 1/N gradient shard
-  completes, on every micro-step.
+  completes, on every micro-step;
+- stage 3: as stage 2, with one bucket per unit (stage3.py).
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -29,8 +31,12 @@ class BucketedGradReducer:
     """Owns gradient storage for stages 0-2 and the hooks that fill and reduce it."""
 
     def __init__(self, buckets: list[Bucket], slots: list[Slot], stage: int, comm: Communicator,
-                 dtype: torch.dtype, overlap: bool, device: torch.device) -> None:
+                 dtype: torch.dtype, overlap: bool, device: torch.device,
+                 on_bucket_complete: Callable[[int], None] | None = None) -> None:
+        """`slots`: the trainable parameters; `on_bucket_complete(index)` is called when every
+        trainable parameter of a bucket has reported its gradient in this backward."""
         self.buckets, self.stage, self.comm = buckets, stage, comm
+        self.on_bucket_complete = on_bucket_complete
         self.dtype, self.overlap, self.device = dtype, overlap, device
         self.slot_of = {id(s.param): s for s in slots}
         total = buckets[-1].end if buckets else 0
@@ -58,7 +64,7 @@ class BucketedGradReducer:
         """Arm the hooks: `reduce` on the micro-steps whose gradients are reduced now."""
         self.reducing = reduce
         self.first_micro_step = first_micro_step
-        self.pending = [len(b.slots) for b in self.buckets]
+        self.pending = [sum(s.param.requires_grad for s in b.slots) for b in self.buckets]
         self.reported: set[int] = set()
         self.next_launch = 0
 
@@ -79,6 +85,8 @@ class BucketedGradReducer:
         if self.reducing and id(param) not in self.reported:
             self.reported.add(id(param))
             self.pending[slot.bucket] -= 1
+            if self.pending[slot.bucket] == 0 and self.on_bucket_complete is not None:
+                self.on_bucket_complete(slot.bucket)
             while self.next_launch < len(self.buckets) and self.pending[self.next_launch] <= 0:
                 self._launch(self.buckets[self.next_launch])
                 self.next_launch += 1
@@ -91,6 +99,8 @@ class BucketedGradReducer:
         return buf
 
     def _launch(self, bucket: Bucket) -> None:
+        if not any(s.param.requires_grad for s in bucket.slots):
+            return  # only frozen parameters (a stage-3 unit): nothing to reduce
         whole = slice(bucket.start, bucket.end)
         if self.stage == 0:
             work = self.comm.all_reduce(self.full[whole], purpose="grads", async_op=self.overlap)

@@ -21,7 +21,7 @@ class Slot:
 
     name: str
     param: torch.nn.Parameter
-    group: int                 # optimizer param group index
+    group: int | None          # optimizer param group index; None for a frozen parameter
     counted_in_norm: bool      # False for tensor-parallel duplicates on TP ranks > 0
     start: int = 0             # absolute offset in the flat buffer
     bucket: int = 0
@@ -82,7 +82,7 @@ class Bucket:
         return out
 
 
-def build_buckets(slots: list[Slot], bucket_size: int, shard_count: int, base: int = 0) -> list[Bucket]:
+def build_buckets(slots: list[Slot], bucket_size: int, shard_count: int) -> list[Bucket]:
     """Assign offsets to `slots` (given in gradient-ready order) and group them into buckets.
 
     A parameter larger than `bucket_size` gets a bucket of its own; parameters are never split.
@@ -95,13 +95,20 @@ def build_buckets(slots: list[Slot], bucket_size: int, shard_count: int, base: i
             size = 0
         groups[-1].append(slot)
         size += slot.numel
+    return pack_buckets(groups, shard_count)
+
+
+def pack_buckets(groups: list[list[Slot]], shard_count: int) -> list[Bucket]:
+    """One bucket per non-empty list of slots, back to back from offset 0, each padded to a
+    multiple of `shard_count`; inside a bucket, slots are sorted by param group (frozen last)."""
     buckets: list[Bucket] = []
-    offset = base
-    for index, members in enumerate(g for g in groups if g):
-        members = sorted(members, key=lambda s: s.group)  # stable: keeps backward order per group
-        bucket = Bucket(index=index, start=offset, numel=0, shard_count=shard_count, slots=members)
+    offset = 0
+    for members in (g for g in groups if g):
+        # Stable sort: keeps gradient-ready order within a group.
+        members = sorted(members, key=lambda s: (s.group is None, s.group or 0))
+        bucket = Bucket(index=len(buckets), start=offset, numel=0, shard_count=shard_count, slots=members)
         for slot in members:
-            slot.start, slot.bucket = offset, index
+            slot.start, slot.bucket = offset, bucket.index
             offset += slot.numel
         used = offset - bucket.start
         bucket.numel = -(-used // shard_count) * shard_count

@@ -66,6 +66,8 @@ class ShardedOptimizer:
         self.masters: list[Master] = []
         for shard in shards:
             for piece in shard.bucket.pieces(shard.lo, shard.hi, key=lambda s: s.group):
+                if piece.key is None:  # frozen: no master, no optimizer state
+                    continue
                 if share_master:
                     data = shard.param[piece.start - shard.lo:piece.end - shard.lo]
                 else:
@@ -129,8 +131,11 @@ class ShardedOptimizer:
         return True
 
     def full_fp32(self, total: int, buckets: list[Bucket], comm: Communicator | None) -> torch.Tensor:
-        """The whole flat buffer in fp32, from the masters (all-gathered when sharded)."""
+        """The whole flat buffer in fp32: the masters where they exist, the model-precision
+        shard elsewhere (frozen parameters), all-gathered when sharded."""
         flat = torch.zeros(total, dtype=torch.float32)
+        for shard in self.shards:
+            flat[shard.lo:shard.hi] = shard.param
         for m in self.masters:
             flat[m.piece.start:m.piece.end] = m.tensor.detach()
         if comm is not None:

@@ -1,0 +1,162 @@
+"""Engine benchmark: our ZeRO stages beside torch DDP, ZeroRedundancyOptimizer and DeepSpeed.
+
+    python -m experiments.bench_engine                 # world 2, all systems found
+    python -m experiments.bench_engine --systems zero1,ddp --repeats 5
+
+Every system trains the same ~10M-parameter GPT (4 layers, hidden 256, vocab 24576, seq 128,
+micro-batch 8 per rank, fp32, AdamW) on the same ranks in the same run; systems are run
+round-robin `--repeats` times so that slow phases of a noisy machine hit all of them, and the
+table reports the median step time over all timed steps. Gradient buckets are 25 MiB of fp32
+(6,553,600 elements) everywhere, DDP's default. Speed is measured here, never asserted in tests.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zero_impl
+from zero_impl.launch import spawn
+from zero_impl.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
+
+MODEL = TinyGPTConfig(vocab_size=24576, seq_len=128, hidden=256, layers=4, heads=4)
+MICRO_BATCH = 8
+LR = 1e-4
+BUCKET = 25 * 2**20 // 4  # elements: DDP's default 25 MiB bucket in fp32
+# DeepSpeed 0.19.8 still calls the collectives torch 2.13 renamed; the warnings are noise here.
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT(MODEL)
+
+
+def zero_system(stage: int) -> Callable:
+    def build(model):
+        engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, reduce_bucket_size=BUCKET,
+                                                                  allgather_bucket_size=BUCKET),
+                                      optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR))
+
+        def step(tokens):
+            engine.backward(lm_loss(engine(tokens), tokens))
+            engine.step()
+        return step
+    return build
+
+
+def ddp_system(sharded_optimizer: bool) -> Callable:
+    def build(model):
+        ddp = DDP(model, bucket_cap_mb=25)
+        if sharded_optimizer:
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        else:
+            opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+
+        def step(tokens):
+            opt.zero_grad(set_to_none=True)
+            lm_loss(ddp(tokens), tokens).backward()
+            opt.step()
+        return step
+    return build
+
+
+def deepspeed_system(stage: int) -> Callable:
+    def build(model):
+        import deepspeed
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip a 1-minute g++ build
+        config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+                  "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
+                                        "allgather_bucket_size": BUCKET, "overlap_comm": True}}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                                          config=config)
+
+        def step(tokens):
+            engine.backward(lm_loss(engine(tokens), tokens))
+            engine.step()
+        return step
+    return build
+
+
+def systems() -> dict[str, Callable]:
+    found = {"ddp": ddp_system(False), "zero_redundancy": ddp_system(True),
+             "zero0": zero_system(0), "zero1": zero_system(1), "zero2": zero_system(2)}
+    if importlib.util.find_spec("deepspeed") is not None:
+        found.update({"deepspeed1": deepspeed_system(1), "deepspeed2": deepspeed_system(2)})
+    return found
+
+
+def _time_steps(build: Callable, warmup: int, steps: int) -> list[float]:
+    """Runs on every rank; returns rank 0's step times in seconds."""
+    step = build(build_model())
+    rank = dist.get_rank()
+    times = []
+    for i in range(warmup + steps):
+        tokens = synthetic_tokens(MICRO_BATCH, MODEL.seq_len, MODEL.vocab_size, seed=1000 * rank + i)
+        dist.barrier()
+        start = time.perf_counter()
+        step(tokens)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def run(names: list[str], world: int, warmup: int, steps: int, repeats: int) -> dict[str, list[float]]:
+    table = systems()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"error: unknown system(s) {unknown}; available: {sorted(table)}")
+    if any(n.startswith("deepspeed") for n in names):
+        import deepspeed  # noqa: F401  (imported once here so forked ranks inherit it)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for repeat in range(repeats):
+        for name in names:
+            times[name] += spawn(_time_steps, world, table[name], warmup, steps, timeout=1800)[0]
+            print(f"  repeat {repeat + 1}/{repeats} {name:16s} median {1e3 * statistics.median(times[name]):8.1f} ms",
+                  file=sys.stderr, flush=True)
+    return times
+
+
+def report(times: dict[str, list[float]]) -> str:
+    med = {n: statistics.median(t) for n, t in times.items()}
+    lines = ["| system | median step (ms) | vs DDP | vs DeepSpeed same stage |", "|---|---:|---:|---:|"]
+    for name, m in med.items():
+        vs_ddp = f"{m / med['ddp']:.3f}" if "ddp" in med else "-"
+        peer = f"deepspeed{name[-1]}" if name in ("zero1", "zero2") else None
+        vs_ds = f"{m / med[peer]:.3f}" if peer in med else "-"
+        lines.append(f"| {name} | {1e3 * m:.1f} | {vs_ddp} | {vs_ds} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=",".join(systems()), help="comma-separated; default: all found")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the raw step times here")
+    args = parser.parse_args()
+    params = sum(p.numel() for p in build_model().parameters())
+    print(f"model: {params / 1e6:.1f}M parameters, world {args.world}, micro-batch {MICRO_BATCH}, fp32, "
+          f"torch {torch.__version__}, {args.repeats} x {args.steps} timed steps per system")
+    times = run(args.systems.split(","), args.world, args.warmup, args.steps, args.repeats)
+    print(report(times))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(times, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
