@@ -1,0 +1,205 @@
+"""Stage 3: what is gathered when, what moves, what stays, and how it is built."""
+from __future__ import annotations
+
+import gc
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_impl
+from helpers import (CLIP, MODEL, adamw, global_batch, lm_loss, make_model, max_abs_diff, param_groups,
+                     reference_run, zero_run)
+from zero_impl.comm import CommLedger, Communicator
+from zero_impl.launch import RankFailed, spawn
+from zero_impl.tiny_gpt import TinyGPT, TinyGPTConfig
+
+DEEP = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=5, heads=2)
+
+
+def test_tied_weight_in_two_units_matches_adamw():
+    params, losses, _ = reference_run(10, 3, 2, tie_blocks=True)
+    results = spawn(lambda: zero_run(10, 2, tie_blocks=True, stage=3, clip_grad_norm=CLIP), 3, timeout=120)
+    assert max_abs_diff(results[0]["params"], params) < 1e-5
+    assert max_abs_diff(results[0]["params"], results[2]["params"]) == 0.0
+
+
+def _live_units(max_live: int, prefetch: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyGPT(DEEP)
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3, stage3_max_live_units=max_live,
+                                                              stage3_prefetch_bucket_size=prefetch), adamw)
+    seen = {"forward": [], "backward": []}
+    for block in model.blocks:  # registered after the engine's hooks, so they see the gathered state
+        block.register_forward_pre_hook(
+            lambda m, a: seen["backward" if engine.params.in_backward else "forward"].append(engine.params.live_units))
+        block.register_full_backward_hook(lambda m, gi, go: seen["backward"].append(engine.params.live_units))
+    rank = dist.get_rank()
+    for step in range(2):
+        tokens = global_batch(step, dist.get_world_size(), 1)[0, rank]
+        engine.backward(lm_loss(engine(tokens), tokens))
+        engine.step()
+    return {**seen, "peak": engine.params.peak_live_units, "after": engine.params.live_units}
+
+
+@pytest.mark.parametrize("max_live,prefetch", [(2, 50_000_000), (3, 50_000_000), (4, 50_000_000), (3, 0)])
+def test_gathered_units_never_exceed_the_bound(max_live, prefetch):
+    for r in spawn(_live_units, 2, max_live, prefetch, timeout=60):
+        assert max(r["forward"]) <= max_live and max(r["backward"]) <= max_live
+        assert r["peak"] <= max_live and r["after"] == 0
+        if prefetch:  # root + running layer + as many prefetched layers as the bound allows
+            assert max(r["forward"]) == max_live
+        else:
+            assert max(r["forward"]) == 2  # root + running layer
+
+
+def _after_step_storages(stage: int) -> dict:
+    model = make_model()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, precision="bf16"), adamw,
+                                  param_groups(model))
+    rank = dist.get_rank()
+    for step in range(2):
+        tokens = global_batch(step, dist.get_world_size(), 1)[0, rank]
+        engine.backward(lm_loss(engine(tokens), tokens))
+        engine.step()
+    largest_param = max(p.numel() for p in make_model().parameters()) * 2  # bf16
+    sizes = {}
+    for obj in gc.get_objects():
+        if torch.is_tensor(obj) and obj.untyped_storage().nbytes() >= largest_param:
+            sizes[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    return {"param_storage_bytes": [p.untyped_storage().nbytes() for p in model.parameters()],
+            "large": sorted(sizes.values())}
+
+
+def test_no_full_parameter_outside_forward_and_backward():
+    """After a step, no parameter has storage and no live tensor on any rank (found by walking
+    the GC's objects) is as large as the largest parameter in bf16, the embedding: the biggest
+    things left are 1/4 shards (fp32 masters and Adam states of a layer: 1300 of 1340 bytes)."""
+    for r in spawn(_after_step_storages, 4, 3, timeout=60):
+        assert set(r["param_storage_bytes"]) == {0}
+        assert r["large"] == []
+
+
+def test_storage_scan_finds_stage2_parameters():
+    """The scan above sees full parameters when they exist: stage 2 keeps them all."""
+    for r in spawn(_after_step_storages, 4, 2, timeout=60):
+        assert min(r["param_storage_bytes"]) > 0
+        assert r["large"] != []
+
+
+def _stats(world_steps: int, precision: str) -> dict:
+    model = make_model()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3, precision=precision), adamw,
+                                  param_groups(model))
+    rank = dist.get_rank()
+    for step in range(world_steps):
+        tokens = global_batch(step, dist.get_world_size(), 1)[0, rank]
+        engine.backward(lm_loss(engine(tokens), tokens))
+        engine.step()
+    scalars = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
+                  for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
+    return {"stats": engine.stats(), "scalars": scalars,
+            "largest_unit": max(b.numel for b in engine.params.buckets)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_comm_is_3psi(world):
+    r = spawn(_stats, world, 2, "fp32", timeout=60)[0]
+    padded, psi = r["stats"]["padded_psi"], r["stats"]["psi"]
+    purposes = r["stats"]["comm"]["last_step"]["by_purpose"]
+    frozen = MODEL.seq_len * MODEL.hidden  # wpe: gathered like any parameter, never reduced
+    assert padded - psi - frozen <= 3 * (world - 1)  # 3 units, each padded to a multiple of N
+    assert purposes["params"]["elements"] == 2 * padded           # forward + backward all-gathers
+    assert purposes["grads"]["elements"] == padded                 # one reduce-scatter per unit
+    assert purposes["norm"]["elements"] <= 8
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_model_state_bytes_are_16psi_over_n(world):
+    results = spawn(_stats, world, 1, "bf16", timeout=60)
+    for r in results:
+        memory, padded, psi = r["stats"]["memory"], r["stats"]["padded_psi"], r["stats"]["psi"]
+        assert memory["predicted"]["total"] == pytest.approx(16 * psi / world)
+        assert memory["measured"]["params"] == 2 * padded // world
+        assert memory["measured"]["grads"] == 2 * padded // world
+        # One rank may own all the padding and the frozen embedding (no master, no Adam state).
+        assert abs(memory["measured"]["total"] - memory["predicted"]["total"]) <= 16 * (padded - psi) + r["scalars"]
+        # Peak of gathered parameters: root + two layers here (a 2-layer model: everything).
+        assert 0 < memory["measured"]["peak_gathered_params"] <= 2 * padded
+    optimizer_bytes = sum(r["stats"]["memory"]["measured"]["optimizer_states"] - r["scalars"] for r in results)
+    assert optimizer_bytes == 12 * results[0]["stats"]["psi"]  # masters + Adam states: each element once
+
+
+def _name_seeded_init(model: torch.nn.Module):
+    """Deterministic init of a module's own parameters from their qualified names, so a model
+    built normally and one built unit by unit from the meta device get identical weights."""
+    module_names = {id(m): n for n, m in model.named_modules()}
+
+    def init(module: torch.nn.Module) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            g = torch.Generator().manual_seed(zlib.crc32(f"{module_names[id(module)]}.{name}".encode()))
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.dim() > 1 else torch.zeros(p.shape))
+    return init
+
+
+def _meta_run(world_steps: int) -> dict:
+    with torch.device("meta"):
+        model = TinyGPT(MODEL)
+    init = _name_seeded_init(model)
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3, clip_grad_norm=CLIP), adamw,
+                                  param_init_fn=init)
+    rank = dist.get_rank()
+    for step in range(world_steps):
+        tokens = global_batch(step, dist.get_world_size(), 1)[0, rank]
+        engine.backward(lm_loss(engine(tokens), tokens))
+        engine.step()
+    return {"params": engine.full_parameters(), "meta_left": [n for n, p in model.named_parameters() if p.is_meta]}
+
+
+def test_meta_device_model_builds_unit_by_unit():
+    torch.manual_seed(0)
+    reference = TinyGPT(MODEL)
+    init = _name_seeded_init(reference)
+    for m in reference.modules():
+        init(m)
+    opt = adamw(reference.parameters())
+    for step in range(4):
+        tokens = global_batch(step, 2, 1).reshape(-1, MODEL.seq_len)
+        opt.zero_grad()
+        lm_loss(reference(tokens), tokens).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        opt.step()
+    results = spawn(_meta_run, 2, 4, timeout=60)
+    assert results[0]["meta_left"] == []
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    assert max_abs_diff(results[0]["params"], expected) < 1e-5
+
+
+def test_meta_device_model_rejected_below_stage3():
+    with torch.device("meta"):
+        model = TinyGPT(MODEL)
+    with pytest.raises(ValueError, match="meta device needs stage 3"):
+        zero_impl.initialize(model, zero_impl.ZeroConfig(stage=2), adamw)
+
+
+def _diverge() -> None:
+    comm = Communicator(None, CommLedger(), "dp", check_order=True)
+    x = torch.zeros(8)
+    if dist.get_rank() == 0:
+        comm.all_gather(x, x[:4].clone(), purpose="params")
+    else:
+        comm.reduce_scatter(x[4:], x.clone(), purpose="grads")
+
+
+def test_diverging_collectives_fail_with_a_clear_message():
+    with pytest.raises(RankFailed, match=r"collective order diverged on the dp group: "
+                                         r"rank 0: call #1 all_gather/params of 8 torch.float32 elements; "
+                                         r"rank 1: call #1 reduce_scatter/grads of 8 torch.float32 elements"):
+        spawn(_diverge, 2, timeout=60)
+
+
+def test_unknown_unit_class_is_rejected():
+    with pytest.raises(ValueError, match=r"stage3_unit_classes \['Nope'\]: no such submodule in TinyGPT"):
+        zero_impl.initialize(make_model(), zero_impl.ZeroConfig(stage=3, stage3_unit_classes=("Nope",)), adamw)
