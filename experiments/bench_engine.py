@@ -1,4 +1,4 @@
-"""Engine benchmark: our ZeRO stages beside torch DDP, ZeroRedundancyOptimizer and DeepSpeed.
+"""Engine benchmark: our ZeRO stages beside torch DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed.
 
     python -m experiments.bench_engine                 # world 2, all systems found
     python -m experiments.bench_engine --systems zero1,ddp --repeats 5
@@ -7,7 +7,9 @@ Every system trains the same ~10M-parameter GPT (4 layers, hidden 256, vocab 245
 micro-batch 8 per rank, fp32, AdamW) on the same ranks in the same run; systems are run
 round-robin `--repeats` times so that slow phases of a noisy machine hit all of them, and the
 table reports the median step time over all timed steps. Gradient buckets are 25 MiB of fp32
-(6,553,600 elements) everywhere, DDP's default. Speed is measured here, never asserted in tests.
+(6,553,600 elements) everywhere, DDP's default; FSDP2 shards each block and the root, and the
+stage-3 systems partition every parameter (no persistence threshold). Speed is measured here,
+never asserted in tests.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -71,14 +75,31 @@ def ddp_system(sharded_optimizer: bool) -> Callable:
     return build
 
 
+def fsdp2_system() -> Callable:
+    def build(model):
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def step(tokens):
+            opt.zero_grad(set_to_none=True)
+            lm_loss(model(tokens), tokens).backward()
+            opt.step()
+        return step
+    return build
+
+
 def deepspeed_system(stage: int) -> Callable:
     def build(model):
         import deepspeed
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip a 1-minute g++ build
+        zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET, "overlap_comm": True}
+        if stage == 3:  # partition every parameter, as the paper's Pos+g+p and our default do
+            zero["stage3_param_persistence_threshold"] = 0
         config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-                  "zero_allow_untested_optimizer": True,
-                  "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
-                                        "allgather_bucket_size": BUCKET, "overlap_comm": True}}
+                  "zero_allow_untested_optimizer": True, "zero_optimization": zero}
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                           config=config)
 
@@ -90,10 +111,10 @@ def deepspeed_system(stage: int) -> Callable:
 
 
 def systems() -> dict[str, Callable]:
-    found = {"ddp": ddp_system(False), "zero_redundancy": ddp_system(True),
-             "zero0": zero_system(0), "zero1": zero_system(1), "zero2": zero_system(2)}
+    found = {"ddp": ddp_system(False), "zero_redundancy": ddp_system(True), "fsdp2": fsdp2_system(),
+             "zero0": zero_system(0), "zero1": zero_system(1), "zero2": zero_system(2), "zero3": zero_system(3)}
     if importlib.util.find_spec("deepspeed") is not None:
-        found.update({"deepspeed1": deepspeed_system(1), "deepspeed2": deepspeed_system(2)})
+        found.update({f"deepspeed{stage}": deepspeed_system(stage) for stage in (1, 2, 3)})
     return found
 
 
@@ -130,12 +151,16 @@ def run(names: list[str], world: int, warmup: int, steps: int, repeats: int) -> 
 
 def report(times: dict[str, list[float]]) -> str:
     med = {n: statistics.median(t) for n, t in times.items()}
-    lines = ["| system | median step (ms) | vs DDP | vs DeepSpeed same stage |", "|---|---:|---:|---:|"]
+    lines = ["| system | median step (ms) | vs DDP | vs DeepSpeed same stage | vs FSDP2 |",
+             "|---|---:|---:|---:|---:|"]
+
+    def ratio(name: str, peer: str | None) -> str:
+        return f"{med[name] / med[peer]:.3f}" if peer in med and peer != name else "-"
     for name, m in med.items():
-        vs_ddp = f"{m / med['ddp']:.3f}" if "ddp" in med else "-"
-        peer = f"deepspeed{name[-1]}" if name in ("zero1", "zero2") else None
-        vs_ds = f"{m / med[peer]:.3f}" if peer in med else "-"
-        lines.append(f"| {name} | {1e3 * m:.1f} | {vs_ddp} | {vs_ds} |")
+        ds_peer = f"deepspeed{name[-1]}" if name in ("zero1", "zero2", "zero3") else None
+        fsdp_peer = "fsdp2" if name == "zero3" else None
+        lines.append(f"| {name} | {1e3 * m:.1f} | {ratio(name, 'ddp')} | {ratio(name, ds_peer)} "
+                     f"| {ratio(name, fsdp_peer)} |")
     return "\n".join(lines)
 
 
