@@ -5,6 +5,8 @@ rank's micro-batches of a step concatenated), clipped with torch.nn.utils.clip_g
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 
@@ -127,3 +129,16 @@ def relative_update_error(params: dict[str, torch.Tensor], reference: dict[str, 
     num = sum(((params[n].float() - reference[n]) ** 2).sum() for n in reference)
     den = sum(((reference[n] - initial[n].detach()) ** 2).sum() for n in reference)
     return float((num / den).sqrt())
+
+
+def live_storages() -> dict[int, int]:
+    """data_ptr -> nbytes of the storage of every tensor the garbage collector can reach.
+
+    A forked rank inherits every object of the pytest process, so scans compare against a
+    snapshot taken at the start of the rank's own work."""
+    found = {}
+    for obj in gc.get_objects():
+        if torch.is_tensor(obj):
+            storage = obj.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found

@@ -7,14 +7,12 @@ and the scalars of the global norm.
 """
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import zero_impl
-from helpers import adamw, global_batch, lm_loss, make_model, param_groups
+from helpers import adamw, global_batch, live_storages, lm_loss, make_model, param_groups
 from zero_impl.launch import spawn
 from zero_impl.memory import model_state_bytes
 
@@ -32,29 +30,24 @@ def _train_step(engine, step: int = 0) -> None:
     engine.backward(lm_loss(engine(tokens), tokens))
 
 
-def _large_live_storages(engine, min_bytes: int) -> list[int]:
-    """Sizes of live tensor storages of at least `min_bytes` that are not the model's parameters
-    or the optimizer's masters and states (found by walking every object the GC tracks)."""
-    known = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+def _large_live_storages(engine, min_bytes: int, before: dict[int, int]) -> list[int]:
+    """Sizes of live tensor storages of at least `min_bytes`, new since `before`, that are not
+    the model's parameters or the optimizer's masters and states."""
+    known = set(before) | {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
     for m in engine.sharded_optimizer.masters:
         known.add(m.tensor.untyped_storage().data_ptr())
     for state in engine.optimizer.state.values():
         known.update(v.untyped_storage().data_ptr() for v in state.values() if torch.is_tensor(v))
-    sizes = {}
-    for obj in gc.get_objects():
-        if torch.is_tensor(obj):
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in known and storage.nbytes() >= min_bytes:
-                sizes[storage.data_ptr()] = storage.nbytes()
-    return sorted(sizes.values())
+    return sorted(n for ptr, n in live_storages().items() if ptr not in known and n >= min_bytes)
 
 
 def _after_backward(stage: int) -> dict:
+    before = live_storages()
     engine = _engine(stage)
     _train_step(engine)
     full_grad_bytes = 2 * engine.psi
     return {"param_grads": [n for n, p in engine.module.named_parameters() if p.grad is not None],
-            "large": _large_live_storages(engine, full_grad_bytes // 2),
+            "large": _large_live_storages(engine, full_grad_bytes // 2, before),
             "grad_bytes": engine.memory()["measured"]["grads"], "padded": engine.params.numel,
             "peak_buffers": engine.memory()["measured"]["peak_buffers"]}
 

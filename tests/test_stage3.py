@@ -1,7 +1,6 @@
 """Stage 3: what is gathered when, what moves, what stays, and how it is built."""
 from __future__ import annotations
 
-import gc
 import zlib
 
 import pytest
@@ -9,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import zero_impl
-from helpers import (CLIP, MODEL, adamw, global_batch, lm_loss, make_model, max_abs_diff, param_groups,
-                     reference_run, zero_run)
+from helpers import (CLIP, MODEL, adamw, global_batch, live_storages, lm_loss, make_model, max_abs_diff,
+                     param_groups, reference_run, zero_run)
 from zero_impl.comm import CommLedger, Communicator
 from zero_impl.launch import RankFailed, spawn
 from zero_impl.tiny_gpt import TinyGPT, TinyGPTConfig
@@ -55,6 +54,7 @@ def test_gathered_units_never_exceed_the_bound(max_live, prefetch):
 
 
 def _after_step_storages(stage: int) -> dict:
+    before = live_storages()
     model = make_model()
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, precision="bf16"), adamw,
                                   param_groups(model))
@@ -64,12 +64,8 @@ def _after_step_storages(stage: int) -> dict:
         engine.backward(lm_loss(engine(tokens), tokens))
         engine.step()
     largest_param = max(p.numel() for p in make_model().parameters()) * 2  # bf16
-    sizes = {}
-    for obj in gc.get_objects():
-        if torch.is_tensor(obj) and obj.untyped_storage().nbytes() >= largest_param:
-            sizes[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-    return {"param_storage_bytes": [p.untyped_storage().nbytes() for p in model.parameters()],
-            "large": sorted(sizes.values())}
+    large = sorted(n for ptr, n in live_storages().items() if ptr not in before and n >= largest_param)
+    return {"param_storage_bytes": [p.untyped_storage().nbytes() for p in model.parameters()], "large": large}
 
 
 def test_no_full_parameter_outside_forward_and_backward():

@@ -42,8 +42,9 @@ class ZeroEngine(nn.Module):
                                check_order=config.check_collective_order)
         slots, group_options = _collect_slots(module, param_groups, self.mp, with_frozen=config.stage == 3)
         dtype = config.param_dtype
+        device = _device_of(slots)
         if config.stage == 3:
-            self.params = Stage3Params(module, slots, config, self.dp, param_init_fn)
+            self.params = Stage3Params(module, slots, config, self.dp, device, param_init_fn)
         else:
             if any(s.param.is_meta for s in slots):
                 raise ValueError("a model on the meta device needs stage 3, which builds it unit by unit")
@@ -53,7 +54,6 @@ class ZeroEngine(nn.Module):
         self.slots = slots  # stage 3 may have swapped meta parameters for real ones: read them now
         trainable = [s for s in slots if s.param.requires_grad]
         self.psi = sum(s.numel for s in trainable)
-        device = slots[0].param.device if slots else torch.device("cpu")
         self.grads = BucketedGradReducer(
             self.params.buckets, trainable, config.stage, self.dp, config.grad_reduce_dtype,
             config.overlap_comm, device,
@@ -225,6 +225,13 @@ def _collect_slots(module: nn.Module, param_groups, mp: Communicator,
     return [Slot(name=n, param=p, group=group_of[id(p)] if p.requires_grad else None,
                  counted_in_norm=mp.size == 1 or mp.rank == 0 or getattr(p, "tensor_model_parallel", False))
             for n, p in reversed(chosen)], options
+
+
+def _device_of(slots: list[Slot]) -> torch.device:
+    """The parameters' device; for a meta-device model, the current accelerator or the CPU."""
+    if not slots or not slots[0].param.is_meta:
+        return slots[0].param.device if slots else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _cast_rest(module: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:

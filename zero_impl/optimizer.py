@@ -85,8 +85,9 @@ class ShardedOptimizer:
 
     def global_grad_sumsq(self) -> tuple[float, bool]:
         """(sum of squares of the true, unscaled-by-clip gradient, any non-finite value anywhere)."""
-        counted = torch.zeros((), dtype=torch.float32)
-        total = torch.zeros((), dtype=torch.float32)
+        device = self.shards[0].grad.device if self.shards else torch.device("cpu")
+        counted = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for shard in self.shards:
             sq = torch.linalg.vector_norm(shard.grad, dtype=torch.float32).square()
             counted += sq
@@ -133,7 +134,7 @@ class ShardedOptimizer:
     def full_fp32(self, total: int, buckets: list[Bucket], comm: Communicator | None) -> torch.Tensor:
         """The whole flat buffer in fp32: the masters where they exist, the model-precision
         shard elsewhere (frozen parameters), all-gathered when sharded."""
-        flat = torch.zeros(total, dtype=torch.float32)
+        flat = torch.zeros(total, dtype=torch.float32, device=self.shards[0].param.device if self.shards else None)
         for shard in self.shards:
             flat[shard.lo:shard.hi] = shard.param
         for m in self.masters:

@@ -76,8 +76,9 @@ class Stage3Params:
     sharded = True
 
     def __init__(self, model: nn.Module, slots: list[Slot], config: ZeroConfig, comm: Communicator,
-                 param_init_fn: Callable[[nn.Module], None] | None = None) -> None:
-        self.comm, self.config = comm, config
+                 device: torch.device, param_init_fn: Callable[[nn.Module], None] | None = None) -> None:
+        """`device`: where shards and gathered units live (a meta-device model is built there)."""
+        self.comm, self.config, self.device = comm, config, device
         self.units = self._build_units(model, slots, config)
         self.buckets = pack_buckets([u.slots for u in self.units], comm.size)
         for unit, bucket in zip(self.units, self.buckets):
@@ -123,7 +124,7 @@ class Stage3Params:
         """This rank's fp32 slice of the unit, from the current values or, for parameters on
         the meta device, from `init` run on this unit alone (the whole model never exists)."""
         b = unit.bucket
-        full = torch.zeros(b.numel, dtype=torch.float32)
+        full = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
         on_meta = [s for s in unit.slots if s.param.is_meta]
         if on_meta:
             for s in on_meta:  # a meta tensor cannot take real .data: swap in a real Parameter
