@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 run: $(STAMP)
-	$(BIN)/python -m experiments.demo
+	$(BIN)/python experiments/sweep.py stage=2
 
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench_engine

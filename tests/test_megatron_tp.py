@@ -18,7 +18,7 @@ import zero_impl
 from zero_impl.flops import model_flops_per_iteration
 from zero_impl.launch import spawn
 from zero_impl.megatron_gpt import (GPTShape, build_gpt, gpt_loss, initialize_parallel, narayanan_eq2,
-                                    padded_vocab_size, parameter_count)
+                                    padded_vocab_size, parameter_count, parameters_per_tp_rank)
 from zero_impl.tiny_gpt import synthetic_tokens
 
 # vocab 256 is already a multiple of 128 x TP for TP <= 2, so every TP degree builds one model.
@@ -137,6 +137,7 @@ def test_closed_form_count_matches_meta_device_build(shape, tp):
     assert all(c["meta"] for c in counts)
     total = sum(c["sharded"] for c in counts) + counts[0]["duplicated"]
     assert total == parameter_count(shape, tp)
+    assert counts[0]["sharded"] + counts[0]["duplicated"] == parameters_per_tp_rank(shape, tp)
 
 
 # Rows whose size label does not match the shape within 2%, and why (results/paper/README.md):

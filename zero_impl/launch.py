@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import queue as queue_lib
 import tempfile
 import time
@@ -20,7 +21,12 @@ import torch.multiprocessing as mp
 
 
 class RankFailed(RuntimeError):
-    """A rank raised (its traceback is in the message), died, or the run timed out."""
+    """A rank raised (`reason` "error", its traceback in the message), died ("died", with its
+    `exitcode`), or the run timed out ("timeout")."""
+
+    def __init__(self, message: str, reason: str, rank: int | None = None, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.rank, self.exitcode = reason, rank, exitcode
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, start_method: str = "fork",
@@ -55,19 +61,22 @@ def _collect(procs, results, world_size: int, timeout: float | None) -> list[Any
             rank, ok, payload = results.get(timeout=0.5)
         except queue_lib.Empty:
             if deadline is not None and time.monotonic() > deadline:
-                raise RankFailed(f"timed out after {timeout:.0f} s with ranks {sorted(set(range(world_size)) - set(out))} unfinished")
+                raise RankFailed(f"timed out after {timeout:.0f} s with ranks {sorted(set(range(world_size)) - set(out))} "
+                                 "unfinished", reason="timeout")
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
             if dead:
-                raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                code = procs[dead[0]].exitcode
+                raise RankFailed(f"rank {dead[0]} died with exit code {code}", reason="died", rank=dead[0], exitcode=code)
             continue
         if not ok:
-            raise RankFailed(f"rank {rank} failed:\n{payload}")
+            raise RankFailed(f"rank {rank} failed:\n{payload}", reason="error", rank=rank)
         out[rank] = pickle.loads(payload)
     return [out[r] for r in range(world_size)]
 
 
 def _rank_main(rank: int, world_size: int, init: str, backend: str, threads: int,
                fn: Callable[..., Any], args: tuple, results) -> None:
+    _die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
@@ -83,3 +92,14 @@ def _rank_main(rank: int, world_size: int, init: str, backend: str, threads: int
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this rank if the launching process dies (a killed sweep must
+    not leave ranks behind, blocked in a collective forever)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

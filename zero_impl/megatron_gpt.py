@@ -16,12 +16,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import warnings
+
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer import TransformerConfig
+
+with warnings.catch_warnings():  # megatron-core announces every optional CUDA kernel it falls back from
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
 
 from .megatron_cpu import apply_cpu_workarounds
 
@@ -65,6 +71,15 @@ def parameter_count(shape: GPTShape, tp: int = 1) -> int:
     return padded_vocab_size(shape.vocab_size, tp) * h + shape.seq_len * h + shape.layers * (12 * h * h + 13 * h) + 2 * h
 
 
+def parameters_per_tp_rank(shape: GPTShape, tp: int) -> int:
+    """Parameters one TP rank holds: its 1/tp of the sharded ones (word embeddings, QKV weight
+    and bias, projection weight, MLP weights and first bias) plus a copy of the rest (position
+    embeddings, LayerNorms, the row-parallel layers' biases)."""
+    h, l = shape.hidden, shape.layers
+    duplicated = shape.seq_len * h + l * 6 * h + 2 * h
+    return (parameter_count(shape, tp) - duplicated) // tp + duplicated
+
+
 def narayanan_eq2(shape: GPTShape) -> float:
     """Narayanan et al. 2021, Eq. 2: P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
     l, h = shape.layers, shape.hidden
@@ -94,16 +109,22 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False) -> GPTModel:
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     shape.check_tp(tp)
-    config = TransformerConfig(
+    with warnings.catch_warnings():  # megatron 0.16 warns about a CUDA-graph default it sets itself
+        warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+        config = _transformer_config(shape, tp, recompute)
+    return GPTModel(config=config, transformer_layer_spec=_layer_spec(),
+                    vocab_size=padded_vocab_size(shape.vocab_size, tp), max_sequence_length=shape.seq_len,
+                    position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+
+
+def _transformer_config(shape: GPTShape, tp: int, recompute: bool) -> TransformerConfig:
+    return TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, init_method_std=INIT_STD,
         hidden_dropout=0.0, attention_dropout=0.0,
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None)
-    return GPTModel(config=config, transformer_layer_spec=_layer_spec(),
-                    vocab_size=padded_vocab_size(shape.vocab_size, tp), max_sequence_length=shape.seq_len,
-                    position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
 
 
 def _layer_spec():

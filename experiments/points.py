@@ -1,0 +1,209 @@
+"""From a sweep config to validated benchmark points.
+
+An experiment lists explicit points (the paper's rows) or a grid (a cartesian product); the
+sweep's top-level model/stage/gpus/tp/micro_batch, when given, replace that axis everywhere.
+Every point is validated before anything is launched; a problem is a ConfigError whose message
+is one line naming the point and the key.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from zero_impl.memory import model_state_bytes
+from zero_impl.megatron_gpt import GPTShape, parameters_per_tp_rank
+
+from .schema import ModelConfig, TrainSettings
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+AXES = ("model", "stage", "gpus", "tp", "micro_batch")
+STAGES = (0, 1, 2, 3)
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+FAULTS = ("none", "raise", "hang")
+LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
+
+
+class ConfigError(ValueError):
+    """Bad input, reported in one line before anything runs."""
+
+
+@cache
+def available_models() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+
+
+@cache
+def load_model(name: str) -> dict:
+    if name not in available_models():
+        raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}")
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
+    return OmegaConf.to_container(merged)
+
+
+@dataclass
+class Point:
+    """One benchmark point, fully resolved: everything train.py needs."""
+
+    experiment: str
+    model: dict
+    stage: int
+    gpus: int
+    tp: int
+    micro_batch: int
+    note: str
+    train: dict
+    zero: dict
+    cluster: dict
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def shape(self) -> GPTShape:
+        m = self.model
+        return GPTShape(m["layers"], m["hidden"], m["heads"], m["seq_len"], m["vocab_size"])
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.dp * self.train["grad_accum_steps"]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def point_id(self) -> str:
+        """Readable and unique: the axes, the note, and a hash of everything else."""
+        settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
+        settings["train"] = {k: v for k, v in self.train.items() if k != "timeout_s"}
+        digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+        note = f"-{_slug(self.note)}" if self.note else ""
+        return f"{self.model['name']}-s{self.stage}-g{self.gpus}-tp{self.tp}-mb{self.micro_batch}{note}-{digest}"
+
+    def describe(self) -> str:
+        return f"{self.model['name']}, stage {self.stage}, {self.gpus} GPUs, TP {self.tp}, micro-batch {self.micro_batch}"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40]
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
+        return list(value)
+    return [value]
+
+
+def expand(cfg: DictConfig) -> list[Point]:
+    """The sweep's points, in order, duplicates removed. Raises ConfigError on bad input."""
+    exp = cfg.experiment
+    chosen_model = OmegaConf.to_container(cfg.model) if cfg.get("model") is not None else None
+    overrides = {axis: _as_list(cfg[axis]) for axis in AXES if axis != "model"}
+    overrides["model"] = [chosen_model["name"]] if chosen_model else []
+    for axis in AXES[1:]:
+        if cfg[axis] is not None and not overrides[axis]:
+            raise ConfigError(f"{axis} is an empty list")
+    if exp.points:
+        specs = [dict(OmegaConf.to_container(p)) for p in exp.points]
+        rows = []
+        for spec in specs:
+            axes = [overrides[a] or [spec[a]] for a in AXES]
+            rows += [dict(spec, **dict(zip(AXES, combo))) for combo in itertools.product(*axes)]
+    else:
+        axes = [overrides[a] or list(exp.grid[a]) for a in AXES]
+        if not all(axes):
+            raise ConfigError(f"experiment {exp.name!r} has neither points nor a complete grid")
+        rows = [dict(zip(AXES, combo), note="") for combo in itertools.product(*axes)]
+    train = _check_train(cfg.train)
+    zero = OmegaConf.to_container(cfg.zero)
+    cluster = OmegaConf.to_container(cfg.cluster)
+    points, seen = [], set()
+    for row in rows:
+        _check_axes(row)
+        model = chosen_model if chosen_model and row["model"] == chosen_model["name"] else load_model(str(row["model"]))
+        point = Point(experiment=exp.name, model=model, stage=row["stage"], gpus=row["gpus"],
+                      tp=row["tp"], micro_batch=row["micro_batch"], note=row.get("note", ""), train=train,
+                      zero=zero, cluster=cluster)
+        try:
+            point.shape.check_tp(point.tp)
+        except ValueError as e:
+            raise ConfigError(f"point ({point.describe()}): {e}") from None
+        if point.gpus % point.tp:
+            raise ConfigError(f"point ({point.describe()}): GPU count {point.gpus} is not divisible by TP {point.tp}")
+        if point.point_id not in seen:
+            seen.add(point.point_id)
+            points.append(point)
+    if cfg.launcher not in LAUNCHERS:
+        raise ConfigError(f"launcher must be one of {list(LAUNCHERS)}, got {cfg.launcher!r}")
+    return points
+
+
+def _check_axes(row: dict) -> None:
+    if row["stage"] not in STAGES or isinstance(row["stage"], bool):
+        raise ConfigError(f"stage must be one of {list(STAGES)}, got {row['stage']!r}")
+    for key in ("gpus", "tp", "micro_batch"):
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if not isinstance(row["model"], str):
+        raise ConfigError(f"model must be a model name, got {row['model']!r}")
+
+
+def _check_train(train: DictConfig) -> dict:
+    t = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(TrainSettings), train))
+    if t["precision"] not in PRECISIONS:
+        raise ConfigError(f"train.precision must be one of {list(PRECISIONS)}, got {t['precision']!r}")
+    if t["fault"] not in FAULTS:
+        raise ConfigError(f"train.fault must be one of {list(FAULTS)}, got {t['fault']!r}")
+    for key in ("grad_accum_steps", "steps"):
+        if t[key] < 1:
+            raise ConfigError(f"train.{key} must be a positive integer, got {t[key]!r}")
+    if t["warmup_steps"] < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {t['warmup_steps']!r}")
+    if not t["timeout_s"] > 0:
+        raise ConfigError(f"train.timeout_s must be > 0, got {t['timeout_s']!r}")
+    return t
+
+
+def local_devices(cluster: dict) -> tuple[int, str]:
+    """How many ranks this machine can give one point, and what they are."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), f"{torch.cuda.device_count()} GPUs"
+    return cluster["max_cpu_ranks"], f"{cluster['max_cpu_ranks']} CPU ranks (no GPU found; cluster.max_cpu_ranks)"
+
+
+def check_runnable_here(points: list[Point]) -> None:
+    """Points launched on this machine must fit its devices."""
+    for point in points:
+        count, what = local_devices(point.cluster)
+        if point.gpus > count:
+            raise ConfigError(f"point ({point.describe()}) needs {point.gpus} devices; this machine offers {what}. "
+                              "List it with dry_run=true, or run it through a SLURM launcher")
+
+
+def resolve_precision(precision: str) -> str:
+    """'auto': fp32 on CPU, bf16 on GPUs that support it, fp16 on older ones (V100)."""
+    if precision != "auto":
+        return precision
+    if not torch.cuda.is_available():
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def predicted_model_state_bytes(point: Point, precision: str) -> dict[str, float]:
+    """Table 1's formula for one rank: Ψ is the parameters of its TP slice, Nd its DP degree."""
+    psi = parameters_per_tp_rank(point.shape, point.tp)
+    if precision == "fp32":  # the master is the parameter itself: K = 8 (Adam's two moments)
+        return model_state_bytes(psi, point.stage, point.dp, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    return model_state_bytes(psi, point.stage, point.dp)

@@ -1,0 +1,146 @@
+"""Typed configuration of the experiment apps (Hydra structured configs).
+
+The YAML files under conf/ are merged into these dataclasses, so a misspelled key or a value of
+the wrong type is rejected by Hydra before anything runs; value checks that types cannot express
+(TP divides the heads, enough local devices...) live in points.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """A GPT shape (conf/model/<name>.yaml)."""
+
+    name: str = "???"
+    layers: int = "???"  # type: ignore[assignment]
+    hidden: int = "???"  # type: ignore[assignment]
+    heads: int = "???"   # type: ignore[assignment]
+    seq_len: int = 1024
+    vocab_size: int = 50257
+    label: str = ""      # the paper's printed size, e.g. "100B"
+    source: str = ""     # where the paper uses it
+
+
+@dataclass
+class ClusterConfig:
+    """Where points run (conf/cluster/<name>.yaml)."""
+
+    name: str = "local"
+    gpus_per_node: Optional[int] = None       # None: detect (local); CPU processes when no GPU
+    max_cpu_ranks: int = 8                    # local CPU runs: at most this many ranks per point
+    device_memory_gb: Optional[float] = None  # per GPU, for "fits" predictions
+    peak_tflops: Optional[float] = None       # per GPU, half precision dense
+    inter_node_gbps: Optional[float] = None
+    description: str = ""
+
+
+@dataclass
+class ZeroSettings:
+    """Engine knobs common to every point (zero_impl.ZeroConfig names)."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    clip_grad_norm: float = 1.0
+    stage3_max_live_units: int = 3
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 0
+
+
+@dataclass
+class TrainSettings:
+    """How each point trains: the paper's recipe (Adam, lr 1.5e-4, wd 0.01, clip 1.0, one
+    activation checkpoint per layer) on deterministic synthetic tokens."""
+
+    precision: str = "auto"       # auto: fp32 on CPU, bf16 on GPUs that have it, else fp16
+    recompute: bool = True
+    grad_accum_steps: int = 1
+    warmup_steps: int = 2
+    steps: int = 5
+    lr: float = 1.5e-4
+    weight_decay: float = 0.01
+    seed: int = 1234
+    timeout_s: float = 600.0      # per point, start-up included
+    fault: str = "none"           # none | raise | hang: injected failure, to test the runner
+
+
+@dataclass
+class PointSpec:
+    """One benchmark point as listed by an experiment."""
+
+    model: str = "???"
+    stage: int = "???"        # type: ignore[assignment]
+    gpus: int = "???"         # type: ignore[assignment]
+    tp: int = 1
+    micro_batch: int = "???"  # type: ignore[assignment]
+    note: str = ""            # e.g. the paper row it reproduces
+
+
+@dataclass
+class GridSpec:
+    """A cartesian product of points (used when an experiment lists no explicit points)."""
+
+    model: list[str] = field(default_factory=list)
+    stage: list[int] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)
+    tp: list[int] = field(default_factory=lambda: [1])
+    micro_batch: list[int] = field(default_factory=lambda: [2])
+
+
+@dataclass
+class ExperimentConfig:
+    """conf/experiment/<name>.yaml: the grid of one paper artefact."""
+
+    name: str = "???"
+    description: str = ""
+    paper: str = ""                                   # e.g. "Figure 2 (appendix Table 5)"
+    points: list[PointSpec] = field(default_factory=list)
+    grid: GridSpec = field(default_factory=GridSpec)
+
+
+@dataclass
+class SweepConfig:
+    """experiments/sweep.py. The top-level stage/gpus/tp/micro_batch, when given (a value or a
+    list), replace that axis of every point of the experiment; `model=<name>` (a config group
+    option) replaces its models."""
+
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    model: Optional[ModelConfig] = None
+    stage: Any = None
+    gpus: Any = None
+    tp: Any = None
+    micro_batch: Any = None
+    dry_run: bool = False
+    force: bool = False
+    results_dir: str = "results/runs"
+    launcher: str = "auto"    # auto | fork | spawn | torchrun: how local ranks are started
+
+
+@dataclass
+class TrainConfig:
+    """experiments/train.py: one point, run by torchrun, srun or a sweep."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    stage: int = 2
+    gpus: int = 1
+    tp: int = 1
+    micro_batch: int = 2
+    experiment: str = "adhoc"
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    results_dir: str = "results/runs"
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="sweep_schema", node=SweepConfig)
+    cs.store(name="train_schema", node=TrainConfig)

@@ -1,0 +1,237 @@
+"""A sweep: the grid of one experiment (model x stage x GPU count x TP), run point by point.
+
+    python experiments/sweep.py stage=2                      # CPU default grid, stage 2: < 3 min on 2 cores
+    python experiments/sweep.py experiment=fig2 dry_run=true # the paper's Figure 2 points, not run
+    python experiments/sweep.py model=tiny_m gpus=[1,2,4] stage=[1,3] force=true
+    python experiments/sweep.py -m stage=1,2,3               # Hydra multirun: one sweep per stage
+
+Every point is validated before anything starts (bad input: one line on stderr, exit code 2,
+nothing written). Each point runs on local ranks (forked processes, or torchrun), under a
+timeout; a failed, hung or out-of-memory point is recorded with its status and the sweep goes
+on; points that already have an `ok` record are skipped unless force=true. At the end a
+Table-5-style summary is printed and written as summary.csv beside the records.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from experiments import records
+from experiments.points import (CONF_DIR, ConfigError, Point, check_runnable_here, expand, local_devices,
+                                predicted_model_state_bytes, resolve_precision)
+from experiments.schema import register
+from experiments.train import build_record, classify_failure, train_rank
+from zero_impl.launch import spawn
+from zero_impl.megatron_gpt import parameter_count
+
+register()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_point(point: Point, launcher: str, results_dir: Path) -> dict:
+    """Run one point on this machine and return its record (also written to results_dir)."""
+    precision = resolve_precision(point.train["precision"])
+    path = results_dir / f"{point.point_id}.json"
+    started = records.now()
+    if launcher == "auto":
+        launcher = "spawn" if torch.cuda.is_available() else "fork"
+    if launcher == "torchrun":
+        return _run_with_torchrun(point, precision, path, started)
+    try:
+        results = spawn(train_rank, point.gpus, point.as_dict(), precision, start_method=launcher,
+                        timeout=point.train["timeout_s"])
+        record = build_record(point, precision, launcher, "ok", results, None, started)
+    except Exception as e:  # a rank failed, died or hung: record it and go on
+        status, text = classify_failure(e)
+        record = build_record(point, precision, launcher, status, None, text, started)
+    records.write_record(path, record)
+    return record
+
+
+def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -> dict:
+    overrides = [f"{axis}={getattr(point, axis)}" for axis in ("stage", "gpus", "tp", "micro_batch")]
+    overrides += [f"model={point.model['name']}", f"experiment={point.experiment}", f"results_dir={path.parent.parent}"]
+    overrides += [f"model.{k}={_override_value(v)}" for k, v in point.model.items()]
+    overrides += [f"cluster.{k}={_override_value(v)}" for k, v in point.cluster.items()]
+    overrides += [f"train.{k}={_override_value(v)}" for k, v in point.train.items()]
+    overrides += [f"zero.{k}={_override_value(v)}" for k, v in point.zero.items()]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={point.gpus}",
+               str(REPO / "experiments" / "train.py"), *overrides]
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=point.train["timeout_s"])
+        failure = None if done.returncode == 0 else f"torchrun exited with {done.returncode}:\n{done.stderr[-4000:]}"
+        status = "fail"
+    except subprocess.TimeoutExpired:
+        failure, status = f"timed out after {point.train['timeout_s']:.0f} s", "timeout"
+    record = records.read_record(path)
+    if record is None or (failure and record.get("status") == "ok"):  # the ranks could not say why
+        record = build_record(point, precision, "torchrun", status, None, failure or "no record written", started)
+        records.write_record(path, record)
+    return record
+
+
+def _override_value(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"'{value}'"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
+    rows = []
+    for point in points:
+        record = records.read_record(results_dir / f"{point.point_id}.json") or {}
+        memory = record.get("memory", {})
+        comm = record.get("comm", {})
+        gb = 1e9
+        rows.append({
+            "model": point.model["name"], "params_B": round(record.get("params", 0) / 1e9, 4),
+            "gpus": point.gpus, "tp": point.tp, "dp": point.dp, "stage": point.stage,
+            "batch": point.global_batch, "tflops_per_gpu": record.get("tflops_per_gpu"),
+            "mem_pred_GB": memory.get("predicted", {}).get("total", 0) / gb,
+            "mem_meas_GB": memory.get("measured_max_over_ranks", {}).get("total", 0) / gb if record.get("status") == "ok" else None,
+            "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
+            "status": record.get("status", "missing"), "point_id": point.point_id})
+    return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    print("| model | params (B) | GPUs | TP | DP | stage | batch | TFLOPs/GPU | model states/GPU pred | meas | comm/step | theory | status |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        tflops = f"{r['tflops_per_gpu']:.4f}" if r["tflops_per_gpu"] is not None else "-"
+        meas = _bytes(r["mem_meas_GB"] * 1e9) if r["mem_meas_GB"] is not None else "-"
+        comm = f"{r['comm_elements']:,}" if r["comm_elements"] is not None else "-"
+        theory = f"{r['comm_theory']:,}" if r["comm_theory"] is not None else "-"
+        print(f"| {r['model']} | {r['params_B']:.4f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['batch']} "
+              f"| {tflops} | {_bytes(r['mem_pred_GB'] * 1e9)} | {meas} | {comm} | {theory} | {r['status']} |")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def write_summary_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def dry_run(points: list[Point]) -> None:
+    """List the points with their shapes, GPU counts and predicted memory; run nothing."""
+    print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | model states/GPU (predicted) "
+          "| fits device | runnable here |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for p in points:
+        precision = p.train["precision"] if p.train["precision"] != "auto" else "fp16"
+        predicted = predicted_model_state_bytes(p, precision)["total"]
+        device_gb = p.cluster["device_memory_gb"]
+        fits = "-" if device_gb is None else ("yes" if predicted <= device_gb * 1e9 else "no")
+        here = "yes" if p.gpus <= local_devices(p.cluster)[0] else "no"
+        print(f"| {p.point_id} | {p.shape.layers} | {p.shape.hidden} | {p.shape.heads} "
+              f"| {parameter_count(p.shape, p.tp) / 1e9:.3f} | {p.gpus} "
+              f"| {p.tp} | {p.dp} | {p.stage} | {p.global_batch} | {_bytes(predicted)} | {fits} | {here} |")
+
+
+def run_sweep(cfg: DictConfig) -> int:
+    points = expand(cfg)
+    print(f"experiment {cfg.experiment.name}: {len(points)} points. {cfg.experiment.description}")
+    if cfg.dry_run:
+        dry_run(points)
+        return 0
+    check_runnable_here(points)
+    results_dir = Path(cfg.results_dir) / cfg.experiment.name
+    for point in tqdm(points, desc=cfg.experiment.name, unit="point", file=sys.stderr):
+        existing = records.read_record(results_dir / f"{point.point_id}.json")
+        if existing and existing.get("status") == "ok" and not cfg.force:
+            tqdm.write(f"skip {point.point_id}: ok record exists (force=true re-runs it)", file=sys.stderr)
+            continue
+        record = run_point(point, cfg.launcher, results_dir)
+        tqdm.write(f"{record['status']:7s} {point.point_id}", file=sys.stderr)
+    rows = summary_rows(points, results_dir)
+    print_summary(rows)
+    write_summary_csv(rows, results_dir / "summary.csv")
+    print(f"records and summary.csv in {results_dir}")
+    return 0
+
+
+@hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        run_sweep(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# -- preflight: reject bad input in one line before Hydra or any rank starts ------------------
+def preflight(argv: list[str]) -> None:
+    """Compose and validate every job the command line describes; raise ConfigError if any is bad."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise ConfigError(_one_line(e)) from None
+    if multirun:
+        choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                   else [o.input_line] for o in parsed]
+        jobs = [list(combo) for combo in itertools.product(*choices)]
+    else:
+        jobs = [overrides]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = compose(config_name="sweep", overrides=job)
+            except Exception as e:
+                raise ConfigError(_one_line(e)) from None
+            points = expand(cfg)
+            if not cfg.dry_run and cfg.launcher != "torchrun":
+                check_runnable_here(points)
+    GlobalHydra.instance().clear()
+
+
+def _one_line(error: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages, folded to their informative lines."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    keep = [line for line in lines if not line.startswith(("full_key:", "object_type", "reference_type",
+                                                           "To append", "Set the environment"))]
+    return "; ".join(keep or lines) or type(error).__name__
+
+
+def cli() -> None:
+    try:
+        preflight(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,248 @@
+"""One benchmark point: megatron-core GPT, TP x DP, the ZeRO engine, timed steps, one record.
+
+As a program it is what torchrun or srun runs on every rank:
+
+    torchrun --nproc-per-node=2 experiments/train.py model=tiny_s stage=2 gpus=2
+    srun python experiments/train.py model=fig4_13b stage=2 gpus=128 cluster=dgx2_v100
+
+Rank 0 writes results/runs/<experiment>/<point_id>.json, also when the point fails. sweep.py
+calls `train_rank` on ranks it forks itself and writes the record from the parent.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+import zero_impl
+from experiments import records
+from experiments.points import ConfigError, Point, expand, predicted_model_state_bytes, resolve_precision
+from experiments.schema import register
+from zero_impl.flops import model_flops_per_iteration, recompute_factor
+from zero_impl.launch import RankFailed
+from zero_impl.megatron_gpt import (build_gpt, gpt_loss, init_megatron_params, initialize_parallel, padded_vocab_size,
+                                    parameter_count)
+from zero_impl.tiny_gpt import synthetic_tokens
+
+META_BUILD_PARAMS = 1e9  # stage 3 builds models above this size on the meta device, unit by unit
+
+
+def train_rank(point_dict: dict, precision: str) -> dict:
+    """Train one point on this rank (torch.distributed is up); return this rank's measurements."""
+    point = Point(**point_dict)
+    t = point.train
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
+    torch.manual_seed(t["seed"])  # every rank draws the same full weights, then keeps its TP slice
+    model, init_fn = _build(point, device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
+              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    engine = zero_impl.initialize(
+        model, zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
+                                    **point.zero),
+        optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999)), param_groups=groups,
+        dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
+    dp_rank = dist.get_rank(dp_group)
+    losses, times, activation_bytes = [], [], 0
+    for step in range(t["warmup_steps"] + t["steps"]):
+        if t["fault"] != "none" and step == 1 and dist.get_rank() == 0:
+            _inject(t["fault"])
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for micro in range(t["grad_accum_steps"]):
+            seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
+            tokens = synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed).to(device)
+            if step == 0 and micro == 0:  # measure what forward saves for backward, once
+                with SavedActivations(model) as saved:
+                    loss = gpt_loss(engine, tokens)
+                activation_bytes = saved.bytes
+            else:
+                loss = gpt_loss(engine, tokens)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / t["grad_accum_steps"]
+        _sync(device)
+        if step >= t["warmup_steps"]:
+            times.append(time.perf_counter() - start)
+        dist.all_reduce(total, group=dp_group)
+        losses.append(total.item() / dist.get_world_size(dp_group))
+    stats = engine.stats()
+    memory = stats["memory"]["measured"]
+    memory["activations_saved"] = activation_bytes
+    memory["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if device.type == "cuda":
+        memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        memory["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
+    return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats}
+
+
+def _build(point: Point, device: torch.device):
+    recompute = point.train["recompute"]
+    if point.stage == 3 and parameter_count(point.shape, point.tp) > META_BUILD_PARAMS:
+        with torch.device("meta"):
+            return build_gpt(point.shape, recompute=recompute), init_megatron_params
+    return build_gpt(point.shape, recompute=recompute).to(device), None
+
+
+class SavedActivations:
+    """Counts the distinct storages forward saves for backward, parameters excluded."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = {id(p) for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self.params and t.device.type != "meta":
+            storage = t.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _inject(fault: str) -> None:
+    if fault == "raise":
+        raise RuntimeError("injected fault (train.fault=raise)")
+    time.sleep(10 ** 6)  # "hang": the other ranks wait in a collective until the point times out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- records ---------------------------------------------------------------------------------
+def build_record(point: Point, precision: str, launcher: str, status: str, results: list[dict] | None,
+                 error: str | None, started: str) -> dict:
+    """The result record of one point, from every rank's measurements (or the error)."""
+    shape = point.shape
+    recompute = point.train["recompute"]
+    flops = model_flops_per_iteration(batch=point.global_batch, seq_len=shape.seq_len, layers=shape.layers,
+                                      hidden=shape.hidden, vocab=padded_vocab_size(shape.vocab_size, point.tp),
+                                      recompute=recompute)
+    record = {
+        "status": status, "experiment": point.experiment, "point_id": point.point_id,
+        "config": {**point.as_dict(), "precision_resolved": precision, "launcher": launcher},
+        "model": {**point.model, "padded_vocab_size": padded_vocab_size(shape.vocab_size, point.tp)},
+        "params": parameter_count(shape, point.tp), "params_per_gpu": 0,
+        "world_size": point.gpus, "tp": point.tp, "dp": point.dp, "stage": point.stage, "precision": precision,
+        "micro_batch": point.micro_batch, "global_batch": point.global_batch,
+        "recompute_factor": recompute_factor(recompute), "flops_per_iteration": float(flops),
+        "flops_convention": "Narayanan et al. 2021 Eq. 3: 24*c*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)), padded V, no causal halving",
+        "step_times_s": [], "step_time_s": None, "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
+        "memory": {"predicted": predicted_model_state_bytes(point, precision)}, "comm": {}, "losses": [],
+        "error": error, "versions": records.versions(), "hardware": records.hardware(),
+        "started": started, "finished": records.now(),
+    }
+    if status == "ok" and results:
+        rank0 = results[0]
+        stats = rank0["stats"]
+        step = statistics.median(rank0["step_times_s"])
+        measured = [r["stats"]["memory"]["measured"] for r in results]
+        record.update(
+            params_per_gpu=stats["psi"], step_times_s=rank0["step_times_s"], step_time_s=step,
+            tflops_per_gpu=flops / (step * point.gpus * 1e12),
+            tokens_per_s_per_gpu=point.global_batch * shape.seq_len / (step * point.gpus), losses=rank0["losses"])
+        record["memory"] = {
+            "predicted": stats["memory"]["predicted"],  # Table 1's formula with this run's dtypes
+            "measured": measured[0],                    # rank 0, bytes by kind
+            "measured_max_over_ranks": {k: max(m[k] for m in measured) for k in measured[0]},
+        }
+        theory = (3 if point.stage == 3 else 2) * stats["psi"] if point.dp > 1 else 0
+        last = stats["comm"]["last_step"]
+        record["comm"] = {"elements_per_step": last["elements"], "bytes_per_step": last["bytes"],
+                          "theory_elements_per_step": theory, "by_kind": last["by_kind"],
+                          "by_purpose": last["by_purpose"], "loss_scale": stats["loss_scale"],
+                          "skipped_steps": stats["skipped_steps"]}
+    return record
+
+
+def classify_failure(error: BaseException) -> tuple[str, str]:
+    """(status, error text) for a point that did not finish."""
+    text = f"{type(error).__name__}: {error}" if not isinstance(error, RankFailed) else str(error)
+    if isinstance(error, RankFailed) and error.reason == "timeout":
+        return "timeout", text
+    if isinstance(error, RankFailed) and error.reason == "died" and error.exitcode == -9:
+        return "oom", text + " (killed by SIGKILL: most likely the kernel's out-of-memory killer)"
+    lowered = text.lower()
+    if "out of memory" in lowered or "outofmemoryerror" in lowered or "can't allocate memory" in lowered:
+        return "oom", text
+    return "fail", text
+
+
+# -- torchrun / srun entry point ---------------------------------------------------------------
+register()
+
+
+def point_from_train_config(cfg: DictConfig) -> Point:
+    """The single point a train.py invocation describes (validated like a sweep's)."""
+    axes = ("stage", "gpus", "tp", "micro_batch")
+    sweep_like = OmegaConf.create({
+        "experiment": {"name": cfg.experiment, "points": [{"model": cfg.model.name, **{k: cfg[k] for k in axes}}],
+                       "grid": {}},
+        "model": cfg.model, "train": cfg.train, "zero": cfg.zero, "cluster": cfg.cluster, "launcher": "torchrun",
+        **{axis: None for axis in axes}})
+    return expand(sweep_like)[0]
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        point = point_from_train_config(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != point.gpus:
+        print(f"error: gpus={point.gpus} but the launcher started {world} ranks", file=sys.stderr)
+        sys.exit(2)
+    precision = resolve_precision(point.train["precision"])
+    path = Path(cfg.results_dir) / point.experiment / f"{point.point_id}.json"
+    started = records.now()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        result = train_rank(point.as_dict(), precision)
+        results = [None] * world
+        dist.all_gather_object(results, result)
+        if rank == 0:
+            records.write_record(path, build_record(point, precision, "torchrun", "ok", results, None, started))
+    except Exception as e:  # a record that says why, then the rank's non-zero exit
+        status, _ = classify_failure(e)
+        if rank == 0:
+            records.write_record(path, build_record(point, precision, "torchrun", status, None,
+                                                    traceback.format_exc(), started))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
