@@ -133,7 +133,7 @@ class TrainConfig:
     gpus: int = 1
     tp: int = 1
     micro_batch: int = 2
-    experiment: str = "adhoc"
+    experiment_name: str = "adhoc"   # the folder under results_dir (not the experiment config group)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainSettings = field(default_factory=TrainSettings)
     zero: ZeroSettings = field(default_factory=ZeroSettings)

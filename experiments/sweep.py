@@ -62,7 +62,7 @@ def run_point(point: Point, launcher: str, results_dir: Path) -> dict:
 
 def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -> dict:
     overrides = [f"{axis}={getattr(point, axis)}" for axis in ("stage", "gpus", "tp", "micro_batch")]
-    overrides += [f"model={point.model['name']}", f"experiment={point.experiment}", f"results_dir={path.parent.parent}"]
+    overrides += [f"model={point.model['name']}", f"experiment_name={point.experiment}", f"results_dir={path.parent.parent}"]
     overrides += [f"model.{k}={_override_value(v)}" for k, v in point.model.items()]
     overrides += [f"cluster.{k}={_override_value(v)}" for k, v in point.cluster.items()]
     overrides += [f"train.{k}={_override_value(v)}" for k, v in point.train.items()]
@@ -217,11 +217,25 @@ def preflight(argv: list[str]) -> None:
 
 
 def _one_line(error: BaseException) -> str:
-    """Hydra's and OmegaConf's multi-line messages, folded to their informative lines."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    keep = [line for line in lines if not line.startswith(("full_key:", "object_type", "reference_type",
-                                                           "To append", "Set the environment"))]
-    return "; ".join(keep or lines) or type(error).__name__
+    """Hydra's and OmegaConf's multi-line messages (and their causes), folded to one line."""
+    text, cause = str(error), error.__cause__
+    while cause is not None:
+        text += "\n" + str(cause)
+        cause = cause.__cause__
+    text = text.split("Config search path")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    noise = ("full_key:", "object_type", "reference_type", "To append", "Set the environment", "In '")
+    kept = []
+    for line in lines:
+        if line.startswith("In '") and "Could not find" in line:
+            line = line.split(": ", 1)[1]  # "In 'sweep': Could not find 'model/nope'" -> the finding
+        elif line.startswith(noise):
+            continue
+        if kept and kept[-1].startswith("Available options") and ":" not in line:
+            kept[-1] += (" " if kept[-1].endswith(":") else ", ") + line
+        else:
+            kept.append(line)
+    return "; ".join(dict.fromkeys(kept)) or type(error).__name__
 
 
 def cli() -> None:

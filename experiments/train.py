@@ -203,7 +203,7 @@ def point_from_train_config(cfg: DictConfig) -> Point:
     """The single point a train.py invocation describes (validated like a sweep's)."""
     axes = ("stage", "gpus", "tp", "micro_batch")
     sweep_like = OmegaConf.create({
-        "experiment": {"name": cfg.experiment, "points": [{"model": cfg.model.name, **{k: cfg[k] for k in axes}}],
+        "experiment": {"name": cfg.experiment_name, "points": [{"model": cfg.model.name, **{k: cfg[k] for k in axes}}],
                        "grid": {}},
         "model": cfg.model, "train": cfg.train, "zero": cfg.zero, "cluster": cfg.cluster, "launcher": "torchrun",
         **{axis: None for axis in axes}})
