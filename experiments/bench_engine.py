@@ -155,7 +155,7 @@ def report(times: dict[str, list[float]]) -> str:
              "|---|---:|---:|---:|---:|"]
 
     def ratio(name: str, peer: str | None) -> str:
-        return f"{med[name] / med[peer]:.3f}" if peer in med and peer != name else "-"
+        return f"{med[name] / med[peer]:.3f}" if peer in med else "-"
     for name, m in med.items():
         ds_peer = f"deepspeed{name[-1]}" if name in ("zero1", "zero2", "zero3") else None
         fsdp_peer = "fsdp2" if name == "zero3" else None
