@@ -23,6 +23,22 @@ def _ok(records: list[dict]) -> list[dict]:
     return [r for r in records if r["status"] == "ok"]
 
 
+def _main_experiment(ok: list[dict]) -> list[dict]:
+    """The ok records of the experiment with the most model sizes (then the most records):
+    one recipe, one precision, so its points compare."""
+    if not ok:
+        return []
+    by_exp: dict[str, list[dict]] = {}
+    for r in ok:
+        by_exp.setdefault(r["experiment"], []).append(r)
+    best = max(by_exp.values(), key=lambda rs: (len({r["params"] for r in rs}), len(rs)))
+    return best
+
+
+def _scale(params: list[float]) -> tuple[float, str]:
+    return (1e9, "B") if max(params, default=0) >= 1e9 else (1e6, "M")
+
+
 def hardware_label(records: list[dict]) -> str:
     labels = sorted({_hw(r) for r in records})
     return "; ".join(labels) if labels else "no records"
@@ -47,14 +63,18 @@ def throughput_vs_size(records: list[dict], paper: pd.DataFrame | None = None) -
     """Figure 2 style: TFLOPs/GPU against model size, per stage (baseline DP against ZeRO)."""
     paper = paper_throughput() if paper is None else paper
     fig, (ours, theirs) = _two_panels(f"Throughput vs model size ({FLOPS_NOTE})", records)
-    ok = _ok(records)
-    for stage in sorted({r["stage"] for r in ok}):
-        pts = sorted((r["params"], r["tflops_per_gpu"]) for r in ok if r["stage"] == stage)
+    main = _main_experiment(_ok(records))
+    gpus = max((r["world_size"] for r in main), default=0)
+    chosen = [r for r in main if r["world_size"] == gpus]  # Figure 2 compares at one GPU count
+    unit, letter = _scale([r["params"] for r in chosen])
+    for stage in sorted({r["stage"] for r in chosen}):
+        pts = sorted((r["params"], r["tflops_per_gpu"]) for r in chosen if r["stage"] == stage)
         name = STAGE_NAMES[stage]
-        ours.plot([p / 1e9 for p, _ in pts], [t for _, t in pts], "o-", color=STAGE_COLORS[name], label=name)
-    if not ok:
+        ours.plot([p / unit for p, _ in pts], [t for _, t in pts], "o-", color=STAGE_COLORS[name], label=name)
+    if not chosen:
         _empty(ours, "no ok records selected")
-    ours.set(xscale="log", xlabel="parameters (B)", ylabel="TFLOPs / GPU", title="this suite")
+    title = f"this suite: {chosen[0]['experiment']}, {gpus} ranks" if chosen else "this suite"
+    ours.set(xscale="log", xlabel=f"parameters ({letter})", ylabel="TFLOPs / GPU", title=title)
     for series, marker in (("ZeRO", "s-"), ("Baseline", "^-")):
         p = paper[(paper.experiment == "fig2") & (paper.series == series) & paper.exactness.str.startswith("APPROX")]
         theirs.plot([float(x[:-1]) for x in p.x], p.paper_tflops_per_gpu, marker, label=f"paper {series} (APPROX)")
@@ -69,15 +89,16 @@ def scaling(records: list[dict], paper: pd.DataFrame | None = None) -> Figure:
     """Figure 3 style: TFLOPs/GPU against GPU count, per model and stage."""
     paper = paper_throughput() if paper is None else paper
     fig, (ours, theirs) = _two_panels(f"Scaling with GPU count ({FLOPS_NOTE})", records)
-    ok = _ok(records)
-    for (model, stage) in sorted({(r["model"]["name"], r["stage"]) for r in ok}):
-        pts = sorted((r["world_size"], r["tflops_per_gpu"]) for r in ok if r["model"]["name"] == model and r["stage"] == stage)
-        if len(pts) > 1:
+    main = _main_experiment(_ok(records))
+    largest = max(main, key=lambda r: r["params"])["model"]["name"] if main else None
+    for (model, stage) in sorted({(r["model"]["name"], r["stage"]) for r in main}):
+        pts = sorted((r["world_size"], r["tflops_per_gpu"]) for r in main if r["model"]["name"] == model and r["stage"] == stage)
+        if len(pts) > 1:  # the largest model in full colour, the others faint
             ours.plot(*zip(*pts), "o-", label=f"{model} {STAGE_NAMES[stage]}", color=STAGE_COLORS[STAGE_NAMES[stage]],
-                      alpha=0.4 + 0.6 * (model == ok[-1]["model"]["name"]))
-    if not ok:
+                      alpha=1.0 if model == largest else 0.3)
+    if not main:
         _empty(ours, "no ok records selected")
-    ours.set(xlabel="GPUs (ranks)", ylabel="TFLOPs / GPU", title="this suite")
+    ours.set(xlabel="GPUs (ranks)", ylabel="TFLOPs / GPU", title=f"this suite: {main[0]['experiment']}" if main else "this suite")
     p = paper[paper.experiment == "fig3"]
     theirs.plot([int(x.split()[0]) for x in p.x], p.paper_tflops_per_gpu, "s-", label="paper 60B, ZeRO (APPROX)")
     theirs.set(xlabel="GPUs", ylabel="TFLOPs / GPU", title="paper, Figure 3: 60B at MP 16 (read from a figure)")
@@ -97,14 +118,15 @@ def largest_model(records: list[dict], paper: pd.DataFrame | None = None) -> Fig
         if r["params"] > best.get(r["stage"], {"params": -1})["params"]:
             best[r["stage"]] = r
     names = [STAGE_NAMES[s] for s in sorted(best)]
-    sizes = [best[s]["params"] / 1e9 for s in sorted(best)]
+    unit, letter = _scale([r["params"] for r in best.values()])
+    sizes = [best[s]["params"] / unit for s in sorted(best)]
     bars = ours.bar(names, sizes, color=[STAGE_COLORS[n] for n in names])
     for bar, s in zip(bars, sorted(best)):
         ours.annotate(f"{best[s]['tflops_per_gpu']:.3g} TFLOPs/GPU", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                       ha="center", va="bottom", fontsize=8)
     if not ok:
         _empty(ours, "no ok records selected")
-    ours.set(ylabel="parameters (B)", title="this suite")
+    ours.set(ylabel=f"parameters ({letter})", title="this suite")
     for series, color in (("ZeRO", "tab:orange"), ("Baseline (DDP)", "tab:gray")):
         p = paper[(paper.experiment == "fig4") & (paper.series == series)]
         theirs.bar(p.x, p.paper_tflops_per_gpu, color=color, label=f"paper {series} (APPROX)")
@@ -126,8 +148,9 @@ def memory_bars(records: list[dict], psi: float = 7.5e9, nds: tuple[int, ...] = 
     _stack(theory, labels, [{k: b[k] / 1e9 for k in KIND_COLORS} for b in bottoms])
     theory.set(ylabel="GB", title=f"memory model, Ψ = {psi / 1e9:g}B, K = 12 (Table 1)")
     ok = [r for r in _ok(records) if r["tp"] == 1]
-    model = max(({r["model"]["name"] for r in ok}), key=lambda m: (sum(r["model"]["name"] == m for r in ok), m), default=None)
-    chosen = sorted((r for r in ok if r["model"]["name"] == model), key=lambda r: (r["stage"], r["dp"]))
+    pool = [r for r in ok if r["experiment"] == "table1"] or _main_experiment(ok)  # table1 measures exactly this
+    model = max(pool, key=lambda r: r["params"])["model"]["name"] if pool else None
+    chosen = sorted((r for r in pool if r["model"]["name"] == model), key=lambda r: (r["stage"], r["dp"]))
     if chosen:
         _stack(measured, [f"{STAGE_NAMES[r['stage']]}\nNd={r['dp']}" for r in chosen],
                [{k: r["memory"]["measured"][k] / 1e6 for k in KIND_COLORS} for r in chosen])
@@ -136,7 +159,8 @@ def memory_bars(records: list[dict], psi: float = 7.5e9, nds: tuple[int, ...] = 
         measured.legend(fontsize=7)
     else:
         _empty(measured, "no ok records selected")
-    measured.set(ylabel="MB", title=f"measured, rank 0: {model} ({chosen[0]['precision'] if chosen else '-'})")
+    measured.set(ylabel="MB", title=f"measured, rank 0: {chosen[0]['experiment']}, {model}, {chosen[0]['precision']}"
+                 if chosen else "measured")
     return fig
 
 
