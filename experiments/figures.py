@@ -6,6 +6,7 @@ from __future__ import annotations
 import matplotlib
 
 matplotlib.use("Agg")
+matplotlib.rcParams["svg.hashsalt"] = "zero-repro"  # stable element ids: regenerated SVGs diff cleanly
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402

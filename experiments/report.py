@@ -1,7 +1,7 @@
 """Reports: the paper's tables and figures beside the suite's, from result records.
 
     python experiments/report.py                          # all records under results/runs
-    python experiments/report.py experiment=cpu_default   # one experiment's records
+    python experiments/report.py experiment=cpu_default   # one experiment's records (a conf/experiment option)
 
 Writes Markdown, CSV and LaTeX tables and PNG + SVG figures under results/reports/ (regenerated,
 never edited by hand): Table 1 and Table 2 from the memory model beside the paper's cells, a
@@ -21,6 +21,8 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from experiments import figures, tables
+from experiments.cli import preflight_or_exit
+from experiments.points import ConfigError
 from experiments.records import load_records
 
 
@@ -57,25 +59,34 @@ def write_reports(records: list[dict], out_dir: Path) -> list[Path]:
     for name, draw in figures.FIGURES.items():
         fig = draw(records)
         fig.tight_layout()
-        for suffix in (".png", ".svg"):
-            fig.savefig(out_dir / f"{name}{suffix}", dpi=110)
+        for suffix in (".png", ".svg"):  # no date in the files: regenerated reports diff cleanly
+            fig.savefig(out_dir / f"{name}{suffix}", dpi=110, metadata={"Date": None} if suffix == ".svg" else None)
             written.append(out_dir / f"{name}{suffix}")
         plt.close(fig)
     return written
 
 
+def _records_dir(cfg: DictConfig) -> tuple[Path, str | None]:
+    experiment = cfg.experiment.name if cfg.get("experiment") else None
+    return Path(cfg.results_dir), experiment
+
+
+def _validate(cfg: DictConfig) -> None:
+    results, experiment = _records_dir(cfg)
+    if experiment and not (results / experiment).is_dir():
+        raise ConfigError(f"no records for experiment {experiment!r} under {results} "
+                          f"(run: python experiments/sweep.py experiment={experiment})")
+
+
 @hydra.main(config_path="../conf", config_name="report", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    results = Path(cfg.results_dir)
-    if cfg.experiment and not (results / cfg.experiment).is_dir():
-        available = sorted(p.name for p in results.iterdir() if p.is_dir()) if results.is_dir() else []
-        print(f"error: no records for experiment {cfg.experiment!r} under {results}; found: {available}", file=sys.stderr)
-        sys.exit(2)
-    records = load_records(results, cfg.experiment)
+    results, experiment = _records_dir(cfg)
+    records = load_records(results, experiment)
     written = write_reports(records, Path(cfg.out_dir))
     ok = sum(r["status"] == "ok" for r in records)
     print(f"{len(records)} records ({ok} ok) -> {len(written)} files in {cfg.out_dir}")
 
 
 if __name__ == "__main__":
+    preflight_or_exit("report", sys.argv[1:], _validate)
     main()

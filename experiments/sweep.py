@@ -14,7 +14,6 @@ Table-5-style summary is printed and written as summary.csv beside the records.
 from __future__ import annotations
 
 import csv
-import itertools
 import os
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from experiments import records
-from experiments.points import (CONF_DIR, ConfigError, Point, check_runnable_here, expand, local_devices,
+from experiments.cli import preflight_or_exit
+from experiments.points import (ConfigError, Point, check_runnable_here, expand, local_devices,
                                 predicted_model_state_bytes, resolve_precision)
 from experiments.schema import register
 from experiments.train import build_record, classify_failure, train_rank
@@ -184,68 +184,12 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-# -- preflight: reject bad input in one line before Hydra or any rank starts ------------------
-def preflight(argv: list[str]) -> None:
-    """Compose and validate every job the command line describes; raise ConfigError if any is bad."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    multirun = any(a in ("-m", "--multirun") for a in argv)
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:
-        raise ConfigError(_one_line(e)) from None
-    if multirun:
-        choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-                   else [o.input_line] for o in parsed]
-        jobs = [list(combo) for combo in itertools.product(*choices)]
-    else:
-        jobs = [overrides]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for job in jobs:
-            try:
-                cfg = compose(config_name="sweep", overrides=job)
-            except Exception as e:
-                raise ConfigError(_one_line(e)) from None
-            points = expand(cfg)
-            if not cfg.dry_run and cfg.launcher != "torchrun":
-                check_runnable_here(points)
-    GlobalHydra.instance().clear()
-
-
-def _one_line(error: BaseException) -> str:
-    """Hydra's and OmegaConf's multi-line messages (and their causes), folded to one line."""
-    text, cause = str(error), error.__cause__
-    while cause is not None:
-        text += "\n" + str(cause)
-        cause = cause.__cause__
-    text = text.split("Config search path")[0]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    noise = ("full_key:", "object_type", "reference_type", "To append", "Set the environment", "In '")
-    kept = []
-    for line in lines:
-        if line.startswith("In '") and "Could not find" in line:
-            line = line.split(": ", 1)[1]  # "In 'sweep': Could not find 'model/nope'" -> the finding
-        elif line.startswith(noise):
-            continue
-        if kept and kept[-1].startswith("Available options") and ":" not in line:
-            kept[-1] += (" " if kept[-1].endswith(":") else ", ") + line
-        else:
-            kept.append(line)
-    return "; ".join(dict.fromkeys(kept)) or type(error).__name__
-
-
-def cli() -> None:
-    try:
-        preflight(sys.argv[1:])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    main()
+def _validate(cfg: DictConfig) -> None:
+    points = expand(cfg)
+    if not cfg.dry_run and cfg.launcher != "torchrun":
+        check_runnable_here(points)
 
 
 if __name__ == "__main__":
-    cli()
+    preflight_or_exit("sweep", sys.argv[1:], _validate)
+    main()

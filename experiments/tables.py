@@ -26,7 +26,9 @@ def matches_printed(value: float, printed: str) -> bool:
     """True when the paper's `printed` number is `value` rounded or truncated to the decimals
     it shows (the paper does both: 31.406 -> 31.4, 4187.5 -> 4187)."""
     target, scale = float(printed), 10 ** printed_decimals(printed)
-    return round(value * scale) == round(target * scale) or math.floor(value * scale + 1e-9) == round(target * scale)
+    wanted = round(target * scale)
+    half_up = math.floor(value * scale + 0.5 + 1e-9)  # 41.25 -> 41.3, as printed (not banker's 41.2)
+    return half_up == wanted or math.floor(value * scale + 1e-9) == wanted
 
 
 # -- Table 1 ---------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""Command-line front of the Hydra apps: bad input is one line on stderr and exit code 2.
+
+Hydra reports composition errors (an unknown key, a missing config, a wrongly typed value) on
+several lines with exit code 1, after the app may have started. `preflight_or_exit` composes
+every job the command line describes first (each combination of a multirun), runs the app's own
+validation on it, and stops there with one line if anything is wrong.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from .points import CONF_DIR, ConfigError
+
+
+def preflight(config_name: str, argv: list[str], validate: Callable[[DictConfig], None]) -> None:
+    """Compose and validate every job of this command line; raise ConfigError if any is bad."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise ConfigError(one_line(e)) from None
+    if multirun:
+        choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                   else [o.input_line] for o in parsed]
+        jobs = [list(combo) for combo in itertools.product(*choices)]
+    else:
+        jobs = [overrides]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            for job in jobs:
+                try:
+                    cfg = compose(config_name=config_name, overrides=job)
+                except Exception as e:
+                    raise ConfigError(one_line(e)) from None
+                validate(cfg)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def preflight_or_exit(config_name: str, argv: list[str], validate: Callable[[DictConfig], None]) -> None:
+    try:
+        preflight(config_name, argv, validate)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def one_line(error: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages (and their causes), folded to one line."""
+    text, cause = str(error), error.__cause__ or error.__context__
+    while cause is not None:
+        text += "\n" + str(cause)
+        cause = cause.__cause__ or cause.__context__
+    text = text.split("Config search path")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    noise = ("full_key:", "object_type", "reference_type", "To append", "Set the environment", "In '")
+    kept: list[str] = []
+    for line in lines:
+        if line.startswith("In '") and "Could not find" in line:
+            line = line.split(": ", 1)[1]  # "In 'sweep': Could not find 'model/nope'" -> the finding
+        elif line.startswith(noise):
+            continue
+        if kept and kept[-1].startswith("Available options") and ":" not in line:
+            kept[-1] += (" " if kept[-1].endswith(":") else ", ") + line
+        else:
+            kept.append(line)
+    return "; ".join(dict.fromkeys(kept)) or type(error).__name__

@@ -1,0 +1,102 @@
+"""Reports: the paper's Table 1 and Table 2 reproduced, every table and figure produced from
+records, failed points kept out of the numbers, and the figures notebook executing headless."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import nbclient
+import nbformat
+import pytest
+
+from experiments import tables
+from experiments.records import load_records, validate_record
+from experiments.report import build_tables, write_reports
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures" / "records"
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    found = load_records(FIXTURES)
+    assert {r["status"] for r in found} == {"ok", "oom", "fail"}
+    return found
+
+
+def test_fixture_records_are_valid(records):
+    assert all(validate_record(r) == [] for r in records)
+
+
+def test_table1_reproduces_every_paper_cell():
+    t1 = tables.table1()
+    assert len(t1) == 54  # 3 models x 3 stages x 6 DP degrees
+    assert t1["matches"].all(), t1[~t1["matches"]]
+    cell = t1[(t1.model == "7.5B") & (t1.stage == "Pos+g") & (t1.nd == 4)].iloc[0]
+    assert cell.ours_gb == pytest.approx(41.25) and cell.paper_gb == "41.3"  # rounded half up
+    cell = t1[(t1.model == "1T") & (t1.stage == "Pos") & (t1.nd == 64)].iloc[0]
+    assert cell.ours_gb == pytest.approx(4187.5) and cell.paper_gb == "4187"  # truncated
+
+
+def test_table2_theoretical_columns_reproduce_the_paper(records):
+    t2 = tables.table2(records)
+    assert list(t2.mp) == [1, 2, 4, 8, 16]
+    assert t2[[c for c in t2.columns if c.endswith("_matches")]].all().all()
+    assert t2.loc[0, "theoretical_Pos_ours_B"] == pytest.approx(7.64, abs=0.005)
+    assert t2.loc[0, "measured_Pos_ours"] == "0.0B fail"      # the failed fixture point, as such
+    assert t2.loc[1, "measured_Pos_ours"] == "not run"
+
+
+def test_failed_points_keep_their_status_and_no_number(records):
+    built = build_tables(records)
+    throughput = built["throughput"]
+    assert len(throughput) == len(records)
+    bad = throughput[throughput.status != "ok"]
+    assert set(bad.status) == {"oom", "fail"} and bad.tflops_per_gpu.isna().all()
+    assert throughput[throughput.status == "ok"].tflops_per_gpu.notna().all()
+    oom = bad[bad.status == "oom"].iloc[0]
+    assert oom.paper_tflops_per_gpu == "21.1 (~)"  # the paper's 13B point of Figure 4, read from a figure
+    memory = built["memory"]
+    assert memory[memory.status != "ok"].meas_total.isna().all()
+    assert (memory[memory.status == "ok"].meas_over_pred.between(1.0, 1.001)).all()
+    comm = built["communication"]
+    sharded = comm[(comm.status == "ok") & (comm.nd > 1)]
+    assert (sharded.per_psi.round(3) == sharded.theory_per_psi).all()
+
+
+def test_report_writes_every_table_and_figure(records, tmp_path):
+    written = {p.name for p in write_reports(records, tmp_path)}
+    for table in ("table1", "table1_wide", "table2", "throughput", "memory", "communication"):
+        assert {f"{table}.md", f"{table}.csv", f"{table}.tex"} <= written
+    for figure in ("throughput_vs_size", "scaling", "largest_model", "memory_bars", "communication"):
+        assert {f"{figure}.png", f"{figure}.svg"} <= written
+        pixels = matplotlib.image.imread(tmp_path / f"{figure}.png")
+        assert pixels.std() > 0.05, f"{figure}.png looks blank"
+    md = (tmp_path / "throughput.md").read_text().splitlines()
+    assert len(md) == 2 + len(records) and sum("| oom |" in line for line in md) == 1
+
+
+def test_report_cli(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
+                           f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "10 records (10 ok) -> 28 files" in done.stdout
+    bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
+                          f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: Could not find 'experiment/nope'")
+    missing = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
+                              f"out_dir={tmp_path / 'y'}", "experiment=fig2"], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no records for experiment 'fig2' under")
+
+
+def test_figures_notebook_executes_headless(tmp_path):
+    nb = nbformat.read(REPO / "notebooks" / "figures.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 5
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "every cell matches the paper within its printed rounding: True" in text
