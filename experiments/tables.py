@@ -47,7 +47,7 @@ def table1(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
 
 def table1_wide(df: pd.DataFrame) -> pd.DataFrame:
     """The paper's layout: one row per Nd, a column per (model, stage), 'ours (paper)'."""
-    df = df.assign(cell=[f"{o:.4g} ({p})" for o, p in zip(df["ours_gb"], df["paper_gb"])])
+    df = df.assign(cell=[f"{o:.6g} ({p})" for o, p in zip(df["ours_gb"], df["paper_gb"])])
     wide = df.pivot(index="nd", columns=["model", "stage"], values="cell")
     wide.columns = [f"{m} {s}" for m, s in wide.columns]
     return wide.reset_index()
