@@ -8,6 +8,7 @@ validation on it, and stops there with one line if anything is wrong.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from typing import Callable
 
@@ -16,13 +17,16 @@ from omegaconf import DictConfig
 from .points import CONF_DIR, ConfigError
 
 
-def preflight(config_name: str, argv: list[str], validate: Callable[[DictConfig], None]) -> None:
-    """Compose and validate every job of this command line; raise ConfigError if any is bad."""
+def preflight(config_name: str, argv: list[str], validate: Callable[[DictConfig, bool], None]) -> None:
+    """Compose and validate every job of this command line; raise ConfigError if any is bad.
+    `validate(cfg, remote)`: remote is True when a Hydra launcher other than the basic one
+    (e.g. hydra/launcher=slurm) runs the jobs elsewhere."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     multirun = any(a in ("-m", "--multirun") for a in argv)
+    remote = any(a.startswith("hydra/launcher=") and a != "hydra/launcher=basic" for a in argv)
     overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -42,17 +46,21 @@ def preflight(config_name: str, argv: list[str], validate: Callable[[DictConfig]
                     cfg = compose(config_name=config_name, overrides=job)
                 except Exception as e:
                     raise ConfigError(one_line(e)) from None
-                validate(cfg)
+                validate(cfg, remote)
     finally:
         GlobalHydra.instance().clear()
 
 
-def preflight_or_exit(config_name: str, argv: list[str], validate: Callable[[DictConfig], None]) -> None:
+def preflight_or_exit(config_name: str, argv: list[str], validate: Callable[[DictConfig, bool], None]) -> None:
+    """Exit 2 with one line on bad input; with ZERO_REPRO_CHECK_ONLY=1, exit 0 after the check
+    (slurm/launch.sh checks a job's overrides this way before starting any rank)."""
     try:
         preflight(config_name, argv, validate)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if os.environ.get("ZERO_REPRO_CHECK_ONLY") == "1":
+        sys.exit(0)
 
 
 def one_line(error: BaseException) -> str:

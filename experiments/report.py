@@ -71,7 +71,7 @@ def _records_dir(cfg: DictConfig) -> tuple[Path, str | None]:
     return Path(cfg.results_dir), experiment
 
 
-def _validate(cfg: DictConfig) -> None:
+def _validate(cfg: DictConfig, remote: bool) -> None:
     results, experiment = _records_dir(cfg)
     if experiment and not (results / experiment).is_dir():
         raise ConfigError(f"no records for experiment {experiment!r} under {results} "

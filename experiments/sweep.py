@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments import records
@@ -32,7 +32,7 @@ from experiments.cli import preflight_or_exit
 from experiments.points import (ConfigError, Point, check_runnable_here, expand, local_devices,
                                 predicted_model_state_bytes, resolve_precision)
 from experiments.schema import register
-from experiments.train import build_record, classify_failure, train_rank
+from experiments.train import build_record, classify_failure, run_as_rank, train_rank
 from zero_impl.launch import spawn
 from zero_impl.megatron_gpt import parameter_count
 
@@ -160,7 +160,7 @@ def run_sweep(cfg: DictConfig) -> int:
         dry_run(points)
         return 0
     check_runnable_here(points)
-    results_dir = Path(cfg.results_dir) / cfg.experiment.name
+    results_dir = _absolute(cfg.results_dir) / cfg.experiment.name
     for point in tqdm(points, desc=cfg.experiment.name, unit="point", file=sys.stderr):
         existing = records.read_record(results_dir / f"{point.point_id}.json")
         if existing and existing.get("status") == "ok" and not cfg.force:
@@ -175,18 +175,53 @@ def run_sweep(cfg: DictConfig) -> int:
     return 0
 
 
+def run_in_slurm_job(cfg: DictConfig, job) -> None:
+    """Inside a job of the submitit launcher, one task per GPU: every task is one rank of each
+    of the job's points in turn; rank 0 writes the records."""
+    results_dir = _absolute(cfg.results_dir) / cfg.experiment.name
+    for point in expand(cfg):
+        existing = records.read_record(results_dir / f"{point.point_id}.json")
+        if existing and existing.get("status") == "ok" and not cfg.force:
+            continue  # every task reads the same file, so every task skips alike
+        os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
+                          MASTER_ADDR=job.hostnames[0], MASTER_PORT=str(20000 + int(job.raw_job_id) % 20000))
+        run_as_rank(point, results_dir.parent, "slurm (submitit)")
+
+
+def _absolute(path: str) -> Path:
+    """Relative paths are relative to where the command was started, wherever the job runs."""
+    from hydra.core.hydra_config import HydraConfig
+    start = Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
+    return start / path
+
+
+def _submitit_job():
+    """submitit's job environment when this process is a task of a Slurm job it submitted."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None
+    import submitit
+    return submitit.JobEnvironment()
+
+
 @hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        run_sweep(cfg)
+        job = _submitit_job()
+        if job is not None:
+            run_in_slurm_job(cfg, job)
+        else:
+            run_sweep(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def _validate(cfg: DictConfig) -> None:
+def _validate(cfg: DictConfig, remote: bool) -> None:
     points = expand(cfg)
-    if not cfg.dry_run and cfg.launcher != "torchrun":
+    if remote:  # one Slurm job per multirun job, one task per GPU: one GPU count per job
+        if cfg.gpus is None or isinstance(cfg.gpus, (list, tuple)) or OmegaConf.is_list(cfg.gpus):
+            raise ConfigError("with a Slurm launcher, give gpus one value (tasks per job follow it), e.g. gpus=8")
+    elif not cfg.dry_run and cfg.launcher != "torchrun":
         check_runnable_here(points)
 
 

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import zero_impl
 from experiments import records
+from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError, Point, expand, predicted_model_state_bytes, resolve_precision
 from experiments.schema import register
 from zero_impl.flops import model_flops_per_iteration, recompute_factor
@@ -210,20 +211,15 @@ def point_from_train_config(cfg: DictConfig) -> Point:
     return expand(sweep_like)[0]
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    try:
-        point = point_from_train_config(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def run_as_rank(point: Point, results_dir: Path, launcher: str) -> None:
+    """Train `point` as one rank of a job whose launcher (torchrun, srun, submitit) set RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; rank 0 writes the record, also when
+    the point fails (then the exception propagates: the rank exits non-zero)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != point.gpus:
-        print(f"error: gpus={point.gpus} but the launcher started {world} ranks", file=sys.stderr)
-        sys.exit(2)
+        raise ConfigError(f"gpus={point.gpus} but the launcher started {world} ranks")
     precision = resolve_precision(point.train["precision"])
-    path = Path(cfg.results_dir) / point.experiment / f"{point.point_id}.json"
+    path = results_dir / point.experiment / f"{point.point_id}.json"
     started = records.now()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -233,16 +229,33 @@ def main(cfg: DictConfig) -> None:
         results = [None] * world
         dist.all_gather_object(results, result)
         if rank == 0:
-            records.write_record(path, build_record(point, precision, "torchrun", "ok", results, None, started))
+            records.write_record(path, build_record(point, precision, launcher, "ok", results, None, started))
     except Exception as e:  # a record that says why, then the rank's non-zero exit
         status, _ = classify_failure(e)
         if rank == 0:
-            records.write_record(path, build_record(point, precision, "torchrun", status, None,
+            records.write_record(path, build_record(point, precision, launcher, status, None,
                                                     traceback.format_exc(), started))
         raise
     finally:
         dist.destroy_process_group()
 
 
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one
+    try:
+        run_as_rank(point_from_train_config(cfg), Path(cfg.results_dir),
+                    os.environ.get("ZERO_REPRO_LAUNCHER", "torchrun"))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _validate(cfg: DictConfig, remote: bool) -> None:
+    point_from_train_config(cfg)
+
+
 if __name__ == "__main__":
+    preflight_or_exit("train", sys.argv[1:], _validate)
     main()

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The launcher every slurm/run_*.sh uses, inside its sbatch allocation:
+#
+#   slurm/launch.sh <Hydra overrides of experiments/train.py, including gpus=N>
+#
+# It checks the overrides (a bad one: status "invalid", exit 2, nothing started), then starts one
+# torchrun per node through srun, with c10d rendezvous on the allocation's first node, running
+# experiments/train.py on gpus/nodes ranks per node. Records land in a folder of this job,
+# results/slurm/<job id>/, beside job_status.json, which is written however the job ends (ok,
+# invalid, fail, or timeout when Slurm ends the job at its time limit).
+#
+# Environment: ZERO_REPRO_DIR (default: the sbatch submission directory), PYTHON (default: the
+# repository's .venv), GPUS_PER_NODE (default: Slurm's SLURM_GPUS_ON_NODE, else gpus / nodes),
+# ZERO_REPRO_SLURM_RESULTS (default: results/slurm).
+set -uo pipefail
+
+REPO="${ZERO_REPRO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+: "${SLURM_JOB_ID:?run this inside a Slurm allocation (sbatch slurm/run_<...>.sh)}"
+JOB="$SLURM_JOB_ID"
+if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then JOB="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"; fi
+JOB_DIR="${ZERO_REPRO_SLURM_RESULTS:-$REPO/results/slurm}/$JOB"
+mkdir -p "$JOB_DIR"
+LOG="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p' | head -n 1)"
+
+OVERRIDES=("$@")
+
+write_status() {  # status exit_code message
+    "$PYTHON" - "$JOB_DIR/job_status.json" "$1" "$2" "$3" "$JOB" "$LOG" "${OVERRIDES[@]}" <<'PY'
+import json, os, sys, time
+path, status, code, message, job, log = sys.argv[1:7]
+record = {"job": job, "status": status, "exit_code": None if code == "-" else int(code), "message": message,
+          "log": log, "nodes": os.environ.get("SLURM_JOB_NODELIST"), "overrides": sys.argv[7:],
+          "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+tmp = path + ".tmp"
+with open(tmp, "w") as f:
+    json.dump(record, f, indent=1)
+os.replace(tmp, path)
+PY
+}
+
+GPUS=""
+for arg in "$@"; do case "$arg" in gpus=*) GPUS="${arg#gpus=}" ;; esac; done
+if [ -z "$GPUS" ]; then
+    write_status invalid 2 "launch.sh needs a gpus=N override"; echo "error: launch.sh needs a gpus=N override" >&2; exit 2
+fi
+if ! ZERO_REPRO_CHECK_ONLY=1 "$PYTHON" "$REPO/experiments/train.py" "$@"; then
+    write_status invalid 2 "the overrides were rejected (see the log)"
+    echo "job $JOB: invalid overrides, nothing started" >&2; exit 2
+fi
+PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(( (GPUS + SLURM_NNODES - 1) / SLURM_NNODES ))}}"
+NODES=$(( (GPUS + PER_NODE - 1) / PER_NODE ))
+if (( NODES * PER_NODE != GPUS || NODES > SLURM_NNODES )); then
+    msg="gpus=$GPUS does not fit $SLURM_NNODES node(s) x $PER_NODE GPUs"
+    write_status invalid 2 "$msg"; echo "error: $msg" >&2; exit 2
+fi
+HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
+
+# NCCL on DGX clusters: a failed or stuck collective raises instead of hanging the job, and
+# errors are printed. Fabric-specific settings (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...) come from
+# the site's environment modules; set them before sbatch if your cluster documents them.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export ZERO_REPRO_LAUNCHER="slurm"
+
+trap 'write_status timeout 143 "ended by Slurm (time limit or scancel)"; kill -TERM "$PID" 2>/dev/null; wait "$PID"; exit 143' TERM INT
+echo "job $JOB: $NODES node(s) x $PER_NODE ranks, rendezvous $HEAD:$PORT, records in $JOB_DIR"
+echo "overrides: $*"
+write_status running - "started on $NODES node(s) x $PER_NODE"
+srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    "$PYTHON" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node="$PER_NODE" \
+    --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$JOB" \
+    "$REPO/experiments/train.py" "results_dir=$JOB_DIR" "$@" &
+PID=$!
+wait "$PID"
+CODE=$?
+if [ "$CODE" -eq 0 ]; then
+    write_status ok 0 "records in $JOB_DIR"
+else
+    write_status fail "$CODE" "a rank failed; its record (if it got that far) and the log say why"
+fi
+echo "job $JOB: $(sed -n 's/.*"status": "\(.*\)".*/\1/p' "$JOB_DIR/job_status.json"), exit code $CODE"
+exit "$CODE"

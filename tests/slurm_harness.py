@@ -1,0 +1,114 @@
+"""A real one-node Slurm cluster on this machine, for the tests of slurm/ and the submitit launcher.
+
+Debian's `slurm-wlm` and `munge` are installed when missing (the tests skip, saying why, only
+when that is impossible); a slurm.conf in a temporary folder describes this host as the only
+node; `munged`, `slurmctld` and `slurmd` are started, and the cluster is ready when `sinfo`
+shows the node idle. `stop()` ends the daemons.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+PACKAGES = ("slurm-wlm", "munge")
+
+
+def ensure_installed() -> str | None:
+    """Install Slurm and munge if needed; return why that is impossible, or None."""
+    if all(shutil.which(tool) for tool in ("sbatch", "slurmctld", "slurmd", "munged")):
+        return None
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "Slurm is not installed, and installing it needs root and apt-get"
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for command in (["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+                    ["apt-get", "update", "-q"],
+                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode == 0 and command[1] == "install":
+            return None
+    return f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr.strip()[-500:]}"
+
+
+class LocalSlurm:
+    """One node (this host, all its CPUs), one partition, munge authentication."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="zero-slurm-"))
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = self.dir / "slurm.conf"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.procs: list[subprocess.Popen] = []
+        self.first_job_id = 1000 + int(time.time()) % 50000  # never a job id a stale step still holds
+
+    def write_conf(self) -> None:
+        for sub in ("state", "spool", "log"):
+            (self.dir / sub).mkdir(exist_ok=True)
+        cpus = os.cpu_count() or 1
+        memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+        self.conf.write_text(f"""\
+ClusterName=zero-repro-test
+SlurmctldHost={self.host}
+SlurmUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+ReturnToService=2
+MpiDefault=none
+StateSaveLocation={self.dir}/state
+SlurmdSpoolDir={self.dir}/spool
+SlurmctldPidFile={self.dir}/slurmctld.pid
+SlurmdPidFile={self.dir}/slurmd.pid
+SlurmctldLogFile={self.dir}/log/slurmctld.log
+SlurmdLogFile={self.dir}/log/slurmd.log
+FirstJobId={self.first_job_id}
+SlurmctldPort=6817
+SlurmdPort=6818
+NodeName={self.host} CPUs={cpus} RealMemory={max(memory_mb - 1024, 1024)} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def start(self, timeout: float = 60) -> None:
+        self.write_conf()
+        _kill_stale_steps()
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+            subprocess.run(["munged", "--force"], check=True, capture_output=True, timeout=30)
+        for daemon in ("slurmctld", "slurmd"):
+            self.procs.append(subprocess.Popen([daemon, "-D", "-f", str(self.conf)], env=self.env,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.run("sinfo", "-h", "-o", "%T").stdout.strip()
+            if state == "idle":
+                return
+            if state in ("down", "drained", "down*"):
+                self.run("scontrol", "update", f"nodename={self.host}", "state=resume")
+            time.sleep(0.5)
+        raise RuntimeError(f"Slurm node not idle after {timeout:.0f} s; logs in {self.dir / 'log'}")
+
+    def run(self, *command: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(list(command), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        _kill_stale_steps()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _kill_stale_steps() -> None:
+    """Job-step daemons outlive slurmd; left over from an earlier cluster they confuse a new one."""
+    subprocess.run(["pkill", "-f", "^slurmstepd"], capture_output=True)
