@@ -46,16 +46,28 @@ def build_model() -> torch.nn.Module:
     return TinyGPT(MODEL)
 
 
+def _engine_step(engine) -> Callable:
+    """A training step through an engine with DeepSpeed's API (ours or DeepSpeed's)."""
+    def step(tokens):
+        engine.backward(lm_loss(engine(tokens), tokens))
+        engine.step()
+    return step
+
+
+def _torch_step(module: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    """A plain torch training step (DDP, FSDP2)."""
+    def step(tokens):
+        opt.zero_grad(set_to_none=True)
+        lm_loss(module(tokens), tokens).backward()
+        opt.step()
+    return step
+
+
 def zero_system(stage: int) -> Callable:
     def build(model):
-        engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, reduce_bucket_size=BUCKET,
-                                                                  allgather_bucket_size=BUCKET),
-                                      optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR))
-
-        def step(tokens):
-            engine.backward(lm_loss(engine(tokens), tokens))
-            engine.step()
-        return step
+        return _engine_step(zero_impl.initialize(
+            model, zero_impl.ZeroConfig(stage=stage, reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET),
+            optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR)))
     return build
 
 
@@ -63,15 +75,8 @@ def ddp_system(sharded_optimizer: bool) -> Callable:
     def build(model):
         ddp = DDP(model, bucket_cap_mb=25)
         if sharded_optimizer:
-            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
-        else:
-            opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
-
-        def step(tokens):
-            opt.zero_grad(set_to_none=True)
-            lm_loss(ddp(tokens), tokens).backward()
-            opt.step()
-        return step
+            return _torch_step(ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR))
+        return _torch_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR))
     return build
 
 
@@ -81,13 +86,7 @@ def fsdp2_system() -> Callable:
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def step(tokens):
-            opt.zero_grad(set_to_none=True)
-            lm_loss(model(tokens), tokens).backward()
-            opt.step()
-        return step
+        return _torch_step(model, torch.optim.AdamW(model.parameters(), lr=LR))
     return build
 
 
@@ -102,11 +101,7 @@ def deepspeed_system(stage: int) -> Callable:
                   "zero_allow_untested_optimizer": True, "zero_optimization": zero}
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                           config=config)
-
-        def step(tokens):
-            engine.backward(lm_loss(engine(tokens), tokens))
-            engine.step()
-        return step
+        return _engine_step(engine)
     return build
 
 

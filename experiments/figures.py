@@ -56,6 +56,12 @@ def _two_panels(title: str, records: list[dict]) -> tuple[Figure, tuple]:
     return fig, axes
 
 
+def _finish(*axes) -> None:
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+
+
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.4")
 
@@ -80,9 +86,7 @@ def throughput_vs_size(records: list[dict], paper: pd.DataFrame | None = None) -
         p = paper[(paper.experiment == "fig2") & (paper.series == series) & paper.exactness.str.startswith("APPROX")]
         theirs.plot([float(x[:-1]) for x in p.x], p.paper_tflops_per_gpu, marker, label=f"paper {series} (APPROX)")
     theirs.set(xlabel="parameters (B)", ylabel="TFLOPs / GPU", title="paper, Figure 2: 400 V100 (read from a figure)")
-    for ax in (ours, theirs):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+    _finish(ours, theirs)
     return fig
 
 
@@ -103,9 +107,7 @@ def scaling(records: list[dict], paper: pd.DataFrame | None = None) -> Figure:
     p = paper[paper.experiment == "fig3"]
     theirs.plot([int(x.split()[0]) for x in p.x], p.paper_tflops_per_gpu, "s-", label="paper 60B, ZeRO (APPROX)")
     theirs.set(xlabel="GPUs", ylabel="TFLOPs / GPU", title="paper, Figure 3: 60B at MP 16 (read from a figure)")
-    for ax in (ours, theirs):
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+    _finish(ours, theirs)
     return fig
 
 

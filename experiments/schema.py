@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from zero_impl import ZeroConfig
+
 
 @dataclass
 class ModelConfig:
@@ -41,15 +43,16 @@ class ClusterConfig:
 
 @dataclass
 class ZeroSettings:
-    """Engine knobs common to every point (zero_impl.ZeroConfig names)."""
+    """Engine knobs common to every point: zero_impl.ZeroConfig's names and defaults, except
+    clipping, on at 1.0 as in the paper's runs."""
 
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = True
+    reduce_bucket_size: int = ZeroConfig.reduce_bucket_size
+    allgather_bucket_size: int = ZeroConfig.allgather_bucket_size
+    overlap_comm: bool = ZeroConfig.overlap_comm
     clip_grad_norm: float = 1.0
-    stage3_max_live_units: int = 3
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 0
+    stage3_max_live_units: int = ZeroConfig.stage3_max_live_units
+    stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
+    stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
 
 
 @dataclass
