@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from zero_impl.config import STAGES, ZeroConfig
 from zero_impl.memory import model_state_bytes
 from zero_impl.megatron_gpt import GPTShape, parameters_per_tp_rank
 
@@ -26,7 +27,6 @@ from .schema import ModelConfig, TrainSettings
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 AXES = ("model", "stage", "gpus", "tp", "micro_batch")
-STAGES = (0, 1, 2, 3)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 FAULTS = ("none", "raise", "hang")
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
@@ -85,6 +85,8 @@ class Point:
         """Readable and unique: the axes, the note, and a hash of everything else."""
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
         settings["train"] = {k: v for k, v in self.train.items() if k != "timeout_s"}
+        if settings["train"]["precision"] == "auto":  # auto means fp32 on CPU, half precision on GPUs
+            settings["train"]["precision"] = "auto-gpu" if torch.cuda.is_available() else "auto-cpu"
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
         note = f"-{_slug(self.note)}" if self.note else ""
         return f"{self.model['name']}-s{self.stage}-g{self.gpus}-tp{self.tp}-mb{self.micro_batch}{note}-{digest}"
@@ -127,6 +129,10 @@ def expand(cfg: DictConfig) -> list[Point]:
         rows = [dict(zip(AXES, combo), note="") for combo in itertools.product(*axes)]
     train = _check_train(cfg.train)
     zero = OmegaConf.to_container(cfg.zero)
+    try:
+        ZeroConfig(**zero)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("ZeroConfig.", "zero.")) from None
     cluster = OmegaConf.to_container(cfg.cluster)
     points, seen = [], set()
     for row in rows:

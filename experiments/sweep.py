@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,11 +70,19 @@ def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -
     overrides += [f"zero.{k}={_override_value(v)}" for k, v in point.zero.items()]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={point.gpus}",
                str(REPO / "experiments" / "train.py"), *overrides]
+    path.unlink(missing_ok=True)  # whatever record is there afterwards is this run's
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=point.train["timeout_s"])
-        failure = None if done.returncode == 0 else f"torchrun exited with {done.returncode}:\n{done.stderr[-4000:]}"
+        _, stderr = proc.communicate(timeout=point.train["timeout_s"])
+        failure = None if proc.returncode == 0 else f"torchrun exited with {proc.returncode}:\n{stderr[-4000:]}"
         status = "fail"
     except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun passes TERM on to its workers (they run in sessions of their own)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
         failure, status = f"timed out after {point.train['timeout_s']:.0f} s", "timeout"
     record = records.read_record(path)
     if record is None or (failure and record.get("status") == "ok"):  # the ranks could not say why
@@ -83,10 +92,13 @@ def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -
 
 
 def _override_value(value) -> str:
+    """A value as Hydra's override grammar reads it back unchanged."""
     if value is None:
         return "null"
     if isinstance(value, str):
-        return f"'{value}'"
+        # Inside quotes Hydra unescapes only backslashes that precede a quote (or the end).
+        quoted = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+        return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted) + "'"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -142,7 +154,7 @@ def dry_run(points: list[Point]) -> None:
     print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | model states/GPU (predicted) "
           "| fits device | runnable here |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
-    for p in points:
+    for p in points:  # described for the target cluster's GPUs: "auto" means half precision there
         precision = p.train["precision"] if p.train["precision"] != "auto" else "fp16"
         predicted = predicted_model_state_bytes(p, precision)["total"]
         device_gb = p.cluster["device_memory_gb"]
@@ -162,8 +174,7 @@ def run_sweep(cfg: DictConfig) -> int:
     check_runnable_here(points)
     results_dir = _absolute(cfg.results_dir) / cfg.experiment.name
     for point in tqdm(points, desc=cfg.experiment.name, unit="point", file=sys.stderr):
-        existing = records.read_record(results_dir / f"{point.point_id}.json")
-        if existing and existing.get("status") == "ok" and not cfg.force:
+        if _done(point, results_dir, cfg.force):
             tqdm.write(f"skip {point.point_id}: ok record exists (force=true re-runs it)", file=sys.stderr)
             continue
         record = run_point(point, cfg.launcher, results_dir)
@@ -180,12 +191,19 @@ def run_in_slurm_job(cfg: DictConfig, job) -> None:
     of the job's points in turn; rank 0 writes the records."""
     results_dir = _absolute(cfg.results_dir) / cfg.experiment.name
     for point in expand(cfg):
-        existing = records.read_record(results_dir / f"{point.point_id}.json")
-        if existing and existing.get("status") == "ok" and not cfg.force:
+        if _done(point, results_dir, cfg.force):
             continue  # every task reads the same file, so every task skips alike
         os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
                           MASTER_ADDR=job.hostnames[0], MASTER_PORT=str(20000 + int(job.raw_job_id) % 20000))
-        run_as_rank(point, results_dir.parent, "slurm (submitit)")
+        try:
+            run_as_rank(point, results_dir.parent, "slurm (submitit)")
+        except Exception as e:  # rank 0 has recorded why; the job goes on to its next point
+            print(f"point {point.point_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _done(point: Point, results_dir: Path, force: bool) -> bool:
+    existing = records.read_record(results_dir / f"{point.point_id}.json")
+    return bool(existing) and existing.get("status") == "ok" and not force
 
 
 def _absolute(path: str) -> Path:
@@ -223,6 +241,8 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
             raise ConfigError("with a Slurm launcher, give gpus one value (tasks per job follow it), e.g. gpus=8")
     elif not cfg.dry_run and cfg.launcher != "torchrun":
         check_runnable_here(points)
+        if cfg.launcher == "fork" and torch.cuda.is_available():
+            raise ConfigError("launcher=fork cannot start GPU ranks (CUDA does not survive fork); use auto, spawn or torchrun")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
     dp_rank = dist.get_rank(dp_group)
     losses, times, activation_bytes = [], [], 0
     for step in range(t["warmup_steps"] + t["steps"]):
-        if t["fault"] != "none" and step == 1 and dist.get_rank() == 0:
+        if t["fault"] != "none" and step == min(1, t["warmup_steps"] + t["steps"] - 1) and dist.get_rank() == 0:
             _inject(t["fault"])
         _sync(device)
         dist.barrier()

@@ -119,6 +119,7 @@ def test_killed_sweep_completes_on_rerun_without_duplicates(tmp_path):
     ("micro_batch=-1", "error: micro_batch must be a positive integer, got -1"),
     ("stagee=2", "error: Could not override 'stagee'.; Key 'stagee' not in 'SweepConfig'"),
     ("train.precision=fp8", "error: train.precision must be one of ['auto', 'fp32', 'bf16', 'fp16'], got 'fp8'"),
+    ("zero.stage3_max_live_units=1", "error: zero.stage3_max_live_units must be an integer >= 2, got 1"),
 ])
 def test_bad_input_is_rejected_before_launch(tmp_path, override, message):
     if override.startswith("gpus") and os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -143,10 +144,13 @@ def test_multirun_runs_one_sweep_per_value(tmp_path):
 
 
 def test_torchrun_launcher_runs_train_py(tmp_path):
-    done = run_sweep_cli("model=tiny_s", "gpus=[2]", "stage=2", "launcher=torchrun", f"results_dir={tmp_path}", *QUICK)
+    # A quote in a value must survive the trip through torchrun's command line.
+    done = run_sweep_cli("model=tiny_s", "gpus=[2]", "stage=2", "launcher=torchrun", f"results_dir={tmp_path}",
+                         "cluster.description=\"it's this machine\"", *QUICK)
     assert done.returncode == 0, done.stderr
     [record] = load_records(tmp_path, "cpu_default")
     assert record["status"] == "ok" and record["config"]["launcher"] == "torchrun", record.get("error")
+    assert record["config"]["cluster"]["description"] == "it's this machine"
     assert validate_record(record) == []
 
 

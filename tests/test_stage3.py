@@ -199,3 +199,39 @@ def test_diverging_collectives_fail_with_a_clear_message():
 def test_unknown_unit_class_is_rejected():
     with pytest.raises(ValueError, match=r"stage3_unit_classes \['Nope'\]: no such submodule in TinyGPT"):
         zero_impl.initialize(make_model(), zero_impl.ZeroConfig(stage=3, stage3_unit_classes=("Nope",)), adamw)
+
+
+class _Plain(torch.nn.Module):
+    """A ModuleList with a parameterless member, and a root that owns no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _plain_run(stage: int) -> dict:
+    model = _Plain()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage), adamw)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(3):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return engine.full_parameters()
+
+
+def test_units_without_parameters_are_skipped():
+    stage3, stage0 = spawn(_plain_run, 2, 3, timeout=60)[0], spawn(_plain_run, 2, 0, timeout=60)[0]
+    assert max_abs_diff(stage3, stage0) < 1e-6
+
+
+def test_model_without_module_list_warns_and_still_trains():
+    with pytest.warns(UserWarning, match="no ModuleList in Linear"):
+        engine = zero_impl.initialize(torch.nn.Linear(4, 3), zero_impl.ZeroConfig(stage=3), adamw)
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    assert engine.step()

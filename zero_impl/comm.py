@@ -6,15 +6,11 @@ and stage 3 moves 3Ψ, the numbers of the paper's Section 7.
 """
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-
 
 @dataclass
 class Traffic:
@@ -35,14 +31,9 @@ class CommLedger:
 
     def __init__(self) -> None:
         self.traffic: dict[tuple[str, str], Traffic] = defaultdict(Traffic)
-        self.sequence = hashlib.sha1()
-        self.sequence_length = 0
 
-    def record(self, kind: str, purpose: str, elements: int, element_size: int, group_tag: str) -> None:
+    def record(self, kind: str, purpose: str, elements: int, element_size: int) -> None:
         self.traffic[(kind, purpose)].add(elements, elements * element_size)
-        # Running hash of the collective sequence: ranks of one group must issue identical ones.
-        self.sequence.update(f"{group_tag}:{kind}:{purpose}:{elements};".encode())
-        self.sequence_length += 1
 
     def snapshot(self) -> dict[tuple[str, str], Traffic]:
         return {key: Traffic(t.calls, t.elements, t.bytes) for key, t in self.traffic.items()}
@@ -102,13 +93,14 @@ class Communicator:
                 described = "; ".join(f"rank {r}: call #{c} {k}/{p} of {n} {d} elements"
                                       for r, (c, k, p, n, d) in enumerate(everyone))
                 raise RuntimeError(f"collective order diverged on the {self.tag} group: {described}")
-        self.ledger.record(kind, purpose, elements, tensor.element_size(), self.tag)
+        self.ledger.record(kind, purpose, elements, tensor.element_size())
 
-    def all_reduce(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, purpose: str, async_op: bool = False):
+        """Sum `tensor` over the group, in place."""
         if self.size == 1:
             return None
         self._record("all_reduce", purpose, 2 * tensor.numel(), tensor)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
         """Sum `input` over ranks; this rank receives its contiguous 1/size slice in `output`."""

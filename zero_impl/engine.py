@@ -105,6 +105,9 @@ class ZeroEngine(nn.Module):
             # Dividing by the DP size here turns the reducers' sums into averages at no extra cost.
             (loss * (self.scaler.scale / (accum * self.dp.size))).backward()
             self.grads.end_backward()
+        except BaseException:
+            self.grads.abandon_backward()
+            raise
         finally:
             self.params.end_backward()
 
@@ -208,6 +211,9 @@ def _collect_slots(module: nn.Module, param_groups, mp: Communicator,
     else:
         group_of, options = {}, []
         for index, group in enumerate(param_groups):
+            if not isinstance(group, dict) or "params" not in group:
+                raise ValueError(f"param_groups[{index}] must be a dict with a 'params' list (torch style), "
+                                 f"got {type(group).__name__}")
             group = dict(group)
             params = group.pop("params")
             for p in [params] if torch.is_tensor(params) else list(params):

@@ -24,7 +24,7 @@ import torch
 from .comm import Communicator
 from .layout import Bucket, Slot
 
-MAX_INFLIGHT_STAGING = 2  # stage 2: staging buffers of launched but unfinished reduce-scatters
+MAX_INFLIGHT_STAGING = 2  # stages 2-3: staging buffers of launched but unfinished reduce-scatters
 
 
 class BucketedGradReducer:
@@ -54,7 +54,8 @@ class BucketedGradReducer:
         self.reducing = False
         self.first_micro_step = True
         self.peak_buffer_bytes = 0
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in slots]
+        for s in slots:
+            s.param.register_post_accumulate_grad_hook(self._on_grad)
 
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
         return (bucket.start, bucket.end) if self.stage == 0 else bucket.shard_range(self.comm.rank)
@@ -121,7 +122,7 @@ class BucketedGradReducer:
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
         if work is None:  # blocking collective (or a world of one): done already
             self._finish_oldest()
-        while self.stage == 2 and len(self.inflight) > MAX_INFLIGHT_STAGING:
+        while self.stage >= 2 and len(self.inflight) > MAX_INFLIGHT_STAGING:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
@@ -160,6 +161,12 @@ class BucketedGradReducer:
             alive += [t for t in (staging, accumulate and accumulate[1]) if t is not None]
         return sum(t.numel() * t.element_size() for t in alive)
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
+    def abandon_backward(self) -> None:
+        """After a backward that raised: finish what was launched, drop what was not, so the
+        next backward starts clean (its first micro-step overwrites the stage-2/3 shards)."""
+        for work, _staging, _accumulate in self.inflight:
+            if work is not None:
+                work.wait()
+        self.inflight.clear()
+        self.staging.clear()
+        self.reducing = False

@@ -19,6 +19,7 @@ persistent unit that stays gathered and is all-gathered once after each step.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -79,14 +80,16 @@ class Stage3Params:
                  device: torch.device, param_init_fn: Callable[[nn.Module], None] | None = None) -> None:
         """`device`: where shards and gathered units live (a meta-device model is built there)."""
         self.comm, self.config, self.device = comm, config, device
-        self.units = self._build_units(model, slots, config)
+        self.units = [u for u in self._build_units(model, slots, config) if u.slots]  # no parameters: no unit
         self.buckets = pack_buckets([u.slots for u in self.units], comm.size)
         for unit, bucket in zip(self.units, self.buckets):
             unit.bucket = bucket
         self.numel = self.buckets[-1].end if self.buckets else 0
-        scheduled = [u for u in self.units if u.module is not None]
-        self.forward_order = scheduled[-1:] + scheduled[:-1][::-1]  # root, then layers in order
-        self.backward_order = scheduled[-1:] + scheduled[:-1]       # root, then layers reversed
+        layers_reversed = [u for u in self.units if u.module is not None and u.module is not model]
+        root = [u for u in self.units if u.module is model]
+        self.forward_order = root + layers_reversed[::-1]   # root, then layers in order
+        self.backward_order = root + layers_reversed        # root, then layers reversed
+        scheduled = root + layers_reversed
         self.in_backward = False
         self.live_units = 0
         self.peak_live_units = 0
@@ -101,6 +104,9 @@ class Stage3Params:
         """Units in gradient-ready order: layers last to first, root, persistent."""
         owner: dict[int, set[int]] = {}
         layers = find_unit_modules(model, config.stage3_unit_classes)
+        if not layers:
+            warnings.warn(f"stage 3 found no ModuleList in {type(model).__name__} and no stage3_unit_classes: the "
+                          "whole model is one unit, gathered for all of forward and backward", stacklevel=3)
         for index, (_, module) in enumerate(layers):
             for _, p in module.named_parameters(remove_duplicate=False):
                 owner.setdefault(id(p), set()).add(index)
@@ -143,7 +149,10 @@ class Stage3Params:
             if not s.param.is_meta:
                 full[s.start - b.start:s.end - b.start].copy_(s.param.detach().reshape(-1))
         lo, hi = b.shard_range(self.comm.rank)
-        return full[lo - b.start:hi - b.start].clone()
+        shard = full[lo - b.start:hi - b.start].clone()
+        if on_meta:  # the materialized parameters still view `full`: free it now, not at bind()
+            full.untyped_storage().resize_(0)
+        return shard
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.shard_range(self.comm.rank)
