@@ -76,8 +76,8 @@ def test_buckets_shard_evenly_and_cover_every_element(shard_count, bucket_size):
 
 def test_backward_that_raises_leaves_the_engine_usable():
     """A backward that fails half-way (a gradient hook raising after part of a bucket arrived)
-    must not leak its staging
-    buffer into the next step: afterwards the engine trains exactly like a fresh one."""
+    must not leak its staging buffer into the next step: afterwards the engine trains exactly
+    like a fresh one."""
     tokens = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(3))
 
     def trained(fail_first: bool) -> dict:
