@@ -64,7 +64,7 @@ class ZeroEngine(nn.Module):
                                  initial_scale_power=config.initial_scale_power,
                                  window=config.loss_scale_window, min_scale=config.min_loss_scale)
         self.sharded_optimizer = ShardedOptimizer(
-            shards, self._fp32_source, group_options, optimizer,
+            shards, group_options, optimizer,
             clip_grad_norm=config.clip_grad_norm, scaler=self.scaler, dp=self.dp, mp=self.mp,
             grads_replicated=config.stage == 0, share_master=not config.mixed_precision)
         self.params.bind(dtype)
@@ -75,12 +75,6 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0
         self.steps = 0
         self._boundary_traffic = [self.ledger.snapshot(), self.ledger.snapshot()]
-
-    def _fp32_source(self, lo: int, hi: int) -> torch.Tensor:
-        """fp32 values of the flat range [lo, hi) of one owned shard, before `bind`."""
-        bucket = next(b for b in self.params.buckets if b.start <= lo < b.end)
-        own_lo, _ = self.params.owned_range(bucket)
-        return self.params.shard_view(bucket)[lo - own_lo:hi - own_lo]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

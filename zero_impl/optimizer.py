@@ -50,11 +50,12 @@ class ShardedOptimizer:
     """Updates this rank's shards with a torch optimizer built by `factory` over fp32 masters.
 
     `grads_replicated` is True for stage 0, where every rank holds the whole all-reduced
-    gradient, so norms must not be summed over data-parallel ranks.
+    gradient, so norms must not be summed over data-parallel ranks. Built while the shards'
+    `param` still holds the model's fp32 values: the masters start from them, not from their
+    model-precision rounding.
     """
 
-    def __init__(self, shards: list[OwnedShard], fp32_source: Callable[[int, int], torch.Tensor],
-                 group_options: list[dict], factory: OptimizerFactory, *, clip_grad_norm: float,
+    def __init__(self, shards: list[OwnedShard], group_options: list[dict], factory: OptimizerFactory, *, clip_grad_norm: float,
                  scaler: LossScaler, dp: Communicator, mp: Communicator, grads_replicated: bool,
                  share_master: bool) -> None:
         self.shards = shards
@@ -68,10 +69,9 @@ class ShardedOptimizer:
             for piece in shard.bucket.pieces(shard.lo, shard.hi, key=lambda s: s.group):
                 if piece.key is None:  # frozen: no master, no optimizer state
                     continue
-                if share_master:
-                    data = shard.param[piece.start - shard.lo:piece.end - shard.lo]
-                else:
-                    data = fp32_source(piece.start, piece.end).detach().float().clone()
+                data = shard.param[piece.start - shard.lo:piece.end - shard.lo]
+                if not share_master:
+                    data = data.detach().float().clone()
                 self.masters.append(Master(shard, piece, torch.nn.Parameter(data)))
         self.excluded_from_norm = [  # (shard, piece) of TP duplicates, counted on TP rank 0 only
             (shard, piece) for shard in shards
