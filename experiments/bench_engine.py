@@ -30,8 +30,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero_impl
-from zero_impl.launch import spawn
-from zero_impl.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
+from experiments.launch import spawn
+from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
 
 MODEL = TinyGPTConfig(vocab_size=24576, seq_len=128, hidden=256, layers=4, heads=4)
 MICRO_BATCH = 8

@@ -20,8 +20,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from zero_impl.config import STAGES, ZeroConfig
-from zero_impl.memory import model_state_bytes
-from zero_impl.megatron_gpt import GPTShape, parameters_per_tp_rank
+from experiments.analysis.memory import model_state_bytes
+from experiments.models.megatron_gpt import GPTShape, parameters_per_tp_rank
 
 from .schema import ModelConfig, TrainSettings
 

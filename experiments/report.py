@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments import figures, tables
+from experiments.reports import figures, tables
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError
 from experiments.records import load_records

@@ -34,8 +34,8 @@ from experiments.points import (ConfigError, Point, check_runnable_here, expand,
                                 predicted_model_state_bytes, resolve_precision)
 from experiments.schema import register
 from experiments.train import build_record, classify_failure, run_as_rank, train_rank
-from zero_impl.launch import spawn
-from zero_impl.megatron_gpt import parameter_count
+from experiments.launch import spawn
+from experiments.models.megatron_gpt import parameter_count
 
 register()
 REPO = Path(__file__).resolve().parents[1]

@@ -31,11 +31,12 @@ from experiments import records
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError, Point, expand, predicted_model_state_bytes, resolve_precision
 from experiments.schema import register
-from zero_impl.flops import model_flops_per_iteration, recompute_factor
-from zero_impl.launch import RankFailed
-from zero_impl.megatron_gpt import (build_gpt, gpt_loss, init_megatron_params, initialize_parallel, padded_vocab_size,
+from experiments.analysis.flops import model_flops_per_iteration, recompute_factor
+from experiments.analysis.memory import predicted_for_engine
+from experiments.launch import RankFailed
+from experiments.models.megatron_gpt import (build_gpt, gpt_loss, init_megatron_params, initialize_parallel, padded_vocab_size,
                                     parameter_count)
-from zero_impl.tiny_gpt import synthetic_tokens
+from experiments.models.tiny_gpt import synthetic_tokens
 
 META_BUILD_PARAMS = 1e9  # stage 3 builds models above this size on the meta device, unit by unit
 
@@ -83,7 +84,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
         dist.all_reduce(total, group=dp_group)
         losses.append(total.item() / dist.get_world_size(dp_group))
     stats = engine.stats()
-    memory = stats["memory"]["measured"]
+    memory = stats["memory"]
     memory["activations_saved"] = activation_bytes
     memory["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if device.type == "cuda":
@@ -164,13 +165,13 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         rank0 = results[0]
         stats = rank0["stats"]
         step = statistics.median(rank0["step_times_s"])
-        measured = [r["stats"]["memory"]["measured"] for r in results]
+        measured = [r["stats"]["memory"] for r in results]
         record.update(
             params_per_gpu=stats["psi"], step_times_s=rank0["step_times_s"], step_time_s=step,
             tflops_per_gpu=flops / (step * point.gpus * 1e12),
             tokens_per_s_per_gpu=point.global_batch * shape.seq_len / (step * point.gpus), losses=rank0["losses"])
         record["memory"] = {
-            "predicted": stats["memory"]["predicted"],  # Table 1's formula with this run's dtypes
+            "predicted": predicted_for_engine(stats),  # Table 1's formula with this run's dtypes
             "measured": measured[0],                    # rank 0, bytes by kind
             "measured_max_over_ranks": {k: max(m[k] for m in measured) for k in measured[0]},
         }

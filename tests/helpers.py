@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zero_impl
-from zero_impl.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
+from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
 
 # Sizes chosen so that most tensors are not divisible by 3 or 4 (670, 110, 330, ...).
 MODEL = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=2, heads=2)

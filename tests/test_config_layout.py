@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import zero_impl
+from experiments.models.tiny_gpt import lm_loss
 from helpers import adamw, make_model
 from zero_impl.layout import Slot, build_buckets
 
@@ -46,7 +47,7 @@ def test_single_process_without_torch_distributed():
     model = make_model()
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=2), adamw)
     tokens = torch.randint(0, 67, (2, 16))
-    engine.backward(zero_impl.tiny_gpt.lm_loss(engine(tokens), tokens))
+    engine.backward(lm_loss(engine(tokens), tokens))
     assert engine.step() is True
     assert engine.stats()["comm"]["total"]["elements"] == 0
 
@@ -86,9 +87,9 @@ def test_backward_that_raises_leaves_the_engine_usable():
         if fail_first:
             handle = model.blocks[0].ln2.weight.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
             with pytest.raises(RuntimeError, match="boom"):
-                engine.backward(zero_impl.tiny_gpt.lm_loss(engine(tokens), tokens))
+                engine.backward(lm_loss(engine(tokens), tokens))
             handle.remove()
-        engine.backward(zero_impl.tiny_gpt.lm_loss(engine(tokens), tokens))
+        engine.backward(lm_loss(engine(tokens), tokens))
         assert engine.step()
         return engine.full_parameters()
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import zero_impl
 from helpers import adamw, global_batch, lm_loss, make_model, max_abs_diff, param_groups
-from zero_impl.launch import spawn
+from experiments.launch import spawn
 
 OVERFLOW_STEP = 2
 

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 import zero_impl
-from zero_impl.flops import model_flops_per_iteration
-from zero_impl.launch import spawn
-from zero_impl.megatron_gpt import (GPTShape, build_gpt, gpt_loss, initialize_parallel, narayanan_eq2,
+from experiments.analysis.flops import model_flops_per_iteration
+from experiments.launch import spawn
+from experiments.models.megatron_gpt import (GPTShape, build_gpt, gpt_loss, initialize_parallel, narayanan_eq2,
                                     padded_vocab_size, parameter_count, parameters_per_tp_rank)
-from zero_impl.tiny_gpt import synthetic_tokens
+from experiments.models.tiny_gpt import synthetic_tokens
 
 # vocab 256 is already a multiple of 128 x TP for TP <= 2, so every TP degree builds one model.
 SHAPE = GPTShape(layers=2, hidden=16, heads=4, seq_len=8, vocab_size=256)

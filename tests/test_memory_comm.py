@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import zero_impl
 from helpers import adamw, global_batch, live_storages, lm_loss, make_model, param_groups
-from zero_impl.launch import spawn
-from zero_impl.memory import model_state_bytes
+from experiments.launch import spawn
+from experiments.analysis.memory import model_state_bytes, predicted_for_engine
 
 
 def _engine(stage: int, precision: str = "bf16", **config) -> zero_impl.ZeroEngine:
@@ -48,8 +48,8 @@ def _after_backward(stage: int) -> dict:
     full_grad_bytes = 2 * engine.psi
     return {"param_grads": [n for n, p in engine.module.named_parameters() if p.grad is not None],
             "large": _large_live_storages(engine, full_grad_bytes // 2, before),
-            "grad_bytes": engine.memory()["measured"]["grads"], "padded": engine.params.numel,
-            "peak_buffers": engine.memory()["measured"]["peak_buffers"]}
+            "grad_bytes": engine.memory()["grads"], "padded": engine.params.numel,
+            "peak_buffers": engine.memory()["peak_buffers"]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -76,7 +76,7 @@ def _memory(stage: int) -> dict:
     frozen = sum(p.numel() * p.element_size() for p in engine.module.parameters() if not p.requires_grad)
     scalars = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
                   for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
-    return {"memory": engine.memory(), "psi": engine.psi, "padded": engine.params.numel,
+    return {"memory": {"measured": engine.memory(), "predicted": predicted_for_engine(engine.stats())}, "psi": engine.psi, "padded": engine.params.numel,
             "frozen": frozen, "scalars": scalars, "stats": engine.stats()}
 
 

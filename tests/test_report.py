@@ -11,7 +11,7 @@ import nbclient
 import nbformat
 import pytest
 
-from experiments import tables
+from experiments.reports import tables
 from experiments.records import load_records, validate_record
 from experiments.report import build_tables, write_reports
 

@@ -1,6 +1,6 @@
 """Collectives with accounting: every tensor handed to torch.distributed is counted here.
 
-Counting convention (DESIGN.md): a reduce-scatter counts its full input, an all-gather its full
+Counting convention (the README's "Accounting"): a reduce-scatter counts its full input, an all-gather its full
 output, an all-reduce twice its size. With it, DP and ZeRO stages 1-2 move 2Ψ elements per step
 and stage 3 moves 3Ψ, the numbers of the paper's Section 7.
 """

@@ -23,7 +23,7 @@ from .flat_params import FlatParamBuffer
 from .grad_reducer import BucketedGradReducer
 from .layout import Slot
 from .loss_scaler import LossScaler
-from .memory import model_state_bytes, storage_bytes
+from .memory import storage_bytes
 from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer
 from .stage3 import Stage3Params
 
@@ -139,8 +139,8 @@ class ZeroEngine(nn.Module):
             out[name] = flat[s.start:s.end].view(p.shape).clone() if s else p.detach().float().clone()
         return out
 
-    def memory(self) -> dict[str, dict[str, float]]:
-        """Model-state bytes on this rank, measured from live storages and predicted by Table 1."""
+    def memory(self) -> dict[str, int]:
+        """Model-state bytes on this rank, measured from live storages, by kind."""
         measured = {
             "params": storage_bytes([*self.module.parameters(), *self.params.param_tensors()]),
             "grads": self.grads.grad_bytes(),
@@ -151,12 +151,14 @@ class ZeroEngine(nn.Module):
         measured["peak_buffers"] = self.grads.peak_buffer_bytes
         if self.config.stage == 3:
             measured["peak_gathered_params"] = self.params.peak_gathered_bytes
-        master_bytes = 4 if self.config.mixed_precision else 0
-        predicted = model_state_bytes(
-            self.psi, self.config.stage, self.dp.size,
-            param_bytes=self.config.param_dtype.itemsize, grad_bytes=self.config.grad_reduce_dtype.itemsize,
-            optimizer_bytes=master_bytes + 4 * self.sharded_optimizer.state_elements_per_param())
-        return {"measured": measured, "predicted": predicted}
+        return measured
+
+    def bytes_per_param(self) -> dict[str, int]:
+        """Bytes per parameter element of each model-state kind before partitioning (Table 1's
+        P, G and K for this configuration; K counts the fp32 master only in mixed precision)."""
+        master = 4 if self.config.mixed_precision else 0
+        return {"params": self.config.param_dtype.itemsize, "grads": self.config.grad_reduce_dtype.itemsize,
+                "optimizer_states": master + 4 * self.sharded_optimizer.state_elements_per_param()}
 
     def stats(self) -> dict[str, Any]:
         """Communication by collective, model-state memory by kind, loss scale, norm, skipped steps."""
@@ -175,6 +177,7 @@ class ZeroEngine(nn.Module):
             "comm": {"last_step": CommLedger.summarize(last, since=previous, exclude=("export",)),
                      "total": CommLedger.summarize(self.ledger.snapshot())},
             "memory": self.memory(),
+            "bytes_per_param": self.bytes_per_param(),
         }
 
 

@@ -1,6 +1,6 @@
 """Parameter counts of every model shape in the paper's appendix tables, without allocating.
 
-    python -m experiments.model_sizes
+    python -m experiments.analysis.model_sizes
 
 Prints, per distinct shape: where it appears, its printed label, our count of megatron-core's
 GPT (closed form, vocabulary 50257 padded to 50304, sequence 1024, tied output layer; the tests
@@ -12,9 +12,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from zero_impl.megatron_gpt import GPTShape, narayanan_eq2, parameter_count
+from experiments.models.megatron_gpt import GPTShape, narayanan_eq2, parameter_count
 
-PAPER_DIR = Path(__file__).resolve().parents[1] / "results" / "paper"
+PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"
 
 
 def paper_shapes() -> list[dict]:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from zero_impl.memory import max_params, model_state_bytes
+from experiments.analysis.memory import max_params, model_state_bytes
 
-REPO = Path(__file__).resolve().parents[1]
+from experiments.records import REPO
 PAPER_DIR = REPO / "results" / "paper"
 STAGE_NAMES = {0: "baseline DP", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
 PAPER_STAGES = {"Pos": 1, "Pos+g": 2, "Pos+g+p": 3}

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from zero_impl.memory import model_state_bytes  # noqa: E402
+from experiments.analysis.memory import model_state_bytes  # noqa: E402
 
 from .tables import STAGE_NAMES, paper_throughput  # noqa: E402
 
