@@ -1,14 +1,16 @@
 """Reports: the paper's tables and figures beside the suite's, from result records.
 
-    python experiments/report.py                          # all records under results/runs
-    python experiments/report.py experiment=cpu_default   # one experiment's records (a conf/experiment option)
+    python experiments/report.py                          # all records under results/runs -> results/reports/
+    python experiments/report.py experiment=cpu_default   # one experiment's records -> results/reports/cpu_default/
 
-Writes Markdown, CSV and LaTeX tables and PNG + SVG figures under results/reports/ (regenerated,
-never edited by hand): Table 1 and Table 2 from the memory model beside the paper's cells, a
+Writes Markdown, CSV and LaTeX tables and PNG + SVG figures under `out_dir` (results/reports/),
+or its subfolder named after the experiment when one is given, so a one-experiment report never
+replaces the full set (regenerated, never edited by hand): Table 1 and Table 2 from the memory model beside the paper's cells, a
 Table-5-style throughput table, memory and communication tables, and five figures.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import hydra
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
@@ -33,17 +36,66 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
             "communication": tables.comm_table(records)}
 
 
+SIGNIFICANT = 6  # digits of a table cell (.md, .tex); the .csv keeps every digit
+
+
+def format_number(value, significant: int | None = SIGNIFICANT) -> str:
+    """A cell as the paper prints numbers: positional, never scientific (16000, not 1.6e+04),
+    integers whole, other floats to `significant` digits with trailing zeros dropped (None:
+    every digit of the float's shortest repr). None and NaN are "-"."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if not isinstance(value, (float, np.floating)):
+        return str(value)
+    v = float(value)
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v.is_integer() and abs(v) < 2 ** 53:
+        return str(int(v))
+    if significant is None:
+        return np.format_float_positional(v, trim="-")
+    decimals = max(0, significant - 1 - math.floor(math.log10(abs(v))))
+    text = f"{v:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def to_markdown(df: pd.DataFrame) -> str:
     """A GitHub table (pandas' own needs the tabulate package)."""
     def cell(v) -> str:
-        if v is None or (isinstance(v, float) and pd.isna(v)):
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v).replace("|", "/")
+        return format_number(v).replace("|", "/")
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines) + "\n"
+
+
+def to_csv(df: pd.DataFrame) -> str:
+    """CSV with every digit, numbers positional (no 1.6e+04), missing values empty."""
+    def cell(v) -> str:
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format_number(v, significant=None)
+    return df.map(cell).to_csv(index=False)
+
+
+LATEX_SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+                  "<": r"\textless{}", ">": r"\textgreater{}", "|": r"\textbar{}"}
+
+
+def latex_escape(text: str) -> str:
+    """Text safe in a LaTeX table cell: every special character escaped (theoretical\\_Pos...)."""
+    return "".join(LATEX_SPECIALS.get(c, c) for c in text)
+
+
+def to_latex(df: pd.DataFrame) -> str:
+    """A booktabs tabular (needs \\usepackage{booktabs}); headers and cells escaped."""
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
+    lines = ["\\begin{tabular}{" + "".join("r" if n else "l" for n in numeric) + "}", "\\toprule",
+             " & ".join(latex_escape(str(c)) for c in df.columns) + " \\\\", "\\midrule"]
+    lines += [" & ".join(latex_escape(format_number(v)) for v in row) + " \\\\" for row in df.itertuples(index=False)]
+    return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
 
 
 def write_reports(records: list[dict], out_dir: Path) -> list[Path]:
@@ -51,8 +103,7 @@ def write_reports(records: list[dict], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, df in build_tables(records).items():
-        for suffix, text in ((".md", to_markdown(df)), (".csv", df.to_csv(index=False)),
-                             (".tex", df.to_latex(index=False, float_format="%.4g", na_rep="-"))):
+        for suffix, text in ((".md", to_markdown(df)), (".csv", to_csv(df)), (".tex", to_latex(df))):
             path = out_dir / f"{name}{suffix}"
             path.write_text(text)
             written.append(path)
@@ -82,9 +133,10 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
 def main(cfg: DictConfig) -> None:
     results, experiment = _records_dir(cfg)
     records = load_records(results, experiment)
-    written = write_reports(records, Path(cfg.out_dir))
+    out_dir = Path(cfg.out_dir) / experiment if experiment else Path(cfg.out_dir)
+    written = write_reports(records, out_dir)
     ok = sum(r["status"] == "ok" for r in records)
-    print(f"{len(records)} records ({ok} ok) -> {len(written)} files in {cfg.out_dir}")
+    print(f"{len(records)} records ({ok} ok) -> {len(written)} files in {out_dir}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 records, failed points kept out of the numbers, and the figures notebook executing headless."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +10,12 @@ from pathlib import Path
 import matplotlib.image
 import nbclient
 import nbformat
+import pandas as pd
 import pytest
 
 from experiments.reports import tables
 from experiments.records import load_records, validate_record
-from experiments.report import build_tables, write_reports
+from experiments.report import build_tables, format_number, latex_escape, to_latex, write_reports
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "records"
@@ -82,13 +84,61 @@ def test_report_cli(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                            f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "10 records (10 ok) -> 28 files" in done.stdout
+    assert f"10 records (10 ok) -> 28 files in {tmp_path / 'cpu_default'}" in done.stdout
     bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                           f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: Could not find 'experiment/nope'")
     missing = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                               f"out_dir={tmp_path / 'y'}", "experiment=fig2"], cwd=REPO, capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.startswith("error: no records for experiment 'fig2' under")
+
+
+def test_one_experiment_report_goes_to_its_own_folder_and_keeps_the_full_set(tmp_path):
+    def report(*args):
+        done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
+                               f"out_dir={tmp_path}", *args], cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    report()  # the full set: every record, in out_dir itself
+    full = (tmp_path / "throughput.md").read_text()
+    assert len(full.splitlines()) == 2 + len(load_records(FIXTURES))
+    report("experiment=cpu_default")
+    assert (tmp_path / "throughput.md").read_text() == full, "the one-experiment report replaced the full set"
+    one = (tmp_path / "cpu_default" / "throughput.md").read_text().splitlines()
+    assert len(one) == 2 + 10 and all("| cpu_default |" in line for line in one[2:])
+
+
+def test_numbers_are_printed_as_the_paper_prints_them(records, tmp_path):
+    assert [format_number(v) for v in (16000.0, 4187.5, 2048.0, 0.46875, 31.40625, 5.271e-05, 11513856.0, 7, None,
+                                       float("nan"), True)] == [
+        "16000", "4187.5", "2048", "0.46875", "31.4062", "0.00005271", "11513856", "7", "-", "-", "True"]
+    write_reports(records, tmp_path)
+    for path in [*tmp_path.glob("*.md"), *tmp_path.glob("*.csv"), *tmp_path.glob("*.tex")]:
+        text = path.read_text()
+        assert not re.search(r"\d[eE][+-]\d", text), f"{path.name} prints a number in scientific notation"
+    table1 = (tmp_path / "table1.md").read_text()
+    assert "| 1T | Pos | 1 | 16000 | 16000 |" in table1 and "| 1T | Pos | 64 | 4187.5 | 4187 |" in table1
+    assert "1T,Pos,1,16000,16000," in (tmp_path / "table1.csv").read_text()
+    assert "1T & Pos & 1 & 16000 & 16000 &" in (tmp_path / "table1.tex").read_text()
+
+
+LATEX_COMMAND = re.compile(r"\\(?:[a-zA-Z]+(?:\{[^{}]*\})?|[&%$#_{}]|\\)")  # a command, an escaped special, or \\
+
+
+def test_latex_tables_escape_every_special_character(records, tmp_path):
+    assert latex_escape("theoretical_Pos+g & 50% $#{}~^\\ >=") == (
+        r"theoretical\_Pos+g \& 50\% \$\#\{\}\textasciitilde{}\textasciicircum{}\textbackslash{} \textgreater{}=")
+    frame = pd.DataFrame({"a_b": ["x_y & z", "100%"], "c": [1.5, None]})
+    assert to_latex(frame).splitlines()[2:5] == [r"a\_b & c \\", r"\midrule", r"x\_y \& z & 1.5 \\"]
+    write_reports(records, tmp_path)
+    for path in tmp_path.glob("*.tex"):
+        lines = path.read_text().splitlines()
+        assert lines[0].startswith(r"\begin{tabular}{") and lines[-1] == r"\end{tabular}"
+        columns = len(lines[0].split("{")[2].rstrip("}"))
+        for line in lines[1:-1]:
+            bare = LATEX_COMMAND.sub("", line)
+            assert not set(bare) & set("_%$#{}~^\\"), f"{path.name}: unescaped special in {line!r}"
+            if line.endswith(r"\\"):
+                assert bare.count("&") == columns - 1, f"{path.name}: {line!r} does not have {columns} cells"
 
 
 def test_figures_notebook_executes_headless(tmp_path):
