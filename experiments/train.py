@@ -34,8 +34,8 @@ from experiments.schema import register
 from experiments.analysis.flops import model_flops_per_iteration, recompute_factor
 from experiments.analysis.memory import predicted_for_engine
 from experiments.launch import RankFailed
-from experiments.models.megatron_gpt import (build_gpt, gpt_loss, init_megatron_params, initialize_parallel, padded_vocab_size,
-                                    parameter_count)
+from experiments.models.megatron_gpt import (build_gpt, gpt_loss, initialize_parallel, megatron_param_init_fn,
+                                             padded_vocab_size, parameter_count)
 from experiments.models.tiny_gpt import synthetic_tokens
 
 META_BUILD_PARAMS = 1e9  # stage 3 builds models above this size on the meta device, unit by unit
@@ -47,7 +47,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
     t = point.train
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
-    torch.manual_seed(t["seed"])  # every rank draws the same full weights, then keeps its TP slice
+    torch.manual_seed(t["seed"])
     model, init_fn = _build(point, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
@@ -94,11 +94,15 @@ def train_rank(point_dict: dict, precision: str) -> dict:
 
 
 def _build(point: Point, device: torch.device):
-    recompute = point.train["recompute"]
+    """The model and stage 3's param_init_fn. Every parameter is drawn from (train.seed, its
+    name), whole on every TP rank, which keeps its slice: the meta build materialized unit by
+    unit starts from the same weights as the eager one (megatron_gpt's docstring)."""
+    recompute, seed = point.train["recompute"], point.train["seed"]
     if point.stage == 3 and parameter_count(point.shape, point.tp) > META_BUILD_PARAMS:
         with torch.device("meta"):
-            return build_gpt(point.shape, recompute=recompute), init_megatron_params
-    return build_gpt(point.shape, recompute=recompute).to(device), None
+            model = build_gpt(point.shape, recompute=recompute, seed=seed)
+        return model, megatron_param_init_fn(model, seed)
+    return build_gpt(point.shape, recompute=recompute, seed=seed).to(device), None
 
 
 class SavedActivations:

@@ -10,11 +10,33 @@ World = TP x DP: megatron-core's parallel_state lays out tensor-parallel groups 
 ranks; ZeRO shards over its data-parallel group, and the engine's global norm counts parameters
 duplicated across TP ranks (LayerNorms, position embeddings, biases of row-parallel layers)
 once.
+
+Initialization (one design for eager and meta-device builds): every parameter is drawn by
+megatron's own init method for its role, from a generator seeded by (seed, its qualified name),
+as megatron's CPU initialization draws it: the full TP=1-shaped weight on every TP rank, which
+keeps its slice (`_initialize_affine_weight_cpu`). Roles (`param_role`, by attribute name, for
+the local and the Transformer Engine layer specs alike):
+
+    word / position embeddings          config.embedding_init_method   (N(0, 0.02))
+    linear_qkv, linear_fc1 weights      config.init_method             (N(0, 0.02)), column-parallel
+    linear_proj, linear_fc2 weights     config.output_layer_init_method (N(0, 0.02/sqrt(2·layers))), row-parallel
+    biases (also TE's layer_norm_bias)  0
+    LayerNorm weights (also TE's        1 (0 with config.layernorm_zero_centered_gamma)
+      layer_norm_weight)
+
+So a parameter's value depends only on the seed, its name and the model's shape: not on the
+order parameters are built in, nor on the TP degree (the TP shards gathered equal the TP=1
+weight and differ from each other), nor on eager vs meta construction. `build_gpt` builds
+eagerly with megatron's own draw switched off and then draws every parameter by name
+(`init_megatron_params`); a model built under `torch.device("meta")` is materialized module by
+module by stage 3 with `megatron_param_init_fn(model, seed)`, which draws the same values.
+Megatron's model-parallel RNG tracker (per-TP-rank streams) is left to dropout inside TP regions.
 """
 from __future__ import annotations
 
-import math
+import hashlib
 from dataclasses import dataclass
+from typing import Callable
 
 import warnings
 
@@ -27,6 +49,7 @@ with warnings.catch_warnings():  # megatron-core announces every optional CUDA k
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
     from megatron.core.transformer import TransformerConfig
 
 from .megatron_cpu import apply_cpu_workarounds
@@ -34,6 +57,7 @@ from .megatron_cpu import apply_cpu_workarounds
 VOCAB_SIZE = 50257          # GPT-2's BPE vocabulary, as in the paper's runs
 VOCAB_MULTIPLE = 128        # Megatron's --make-vocab-size-divisible-by default, times TP
 INIT_STD = 0.02
+INIT_SEED = 1234            # the default seed of the weights (initialize_parallel's default too)
 
 
 @dataclass(frozen=True)
@@ -99,22 +123,42 @@ def initialize_parallel(tp: int, seed: int = 1234) -> tuple[dist.ProcessGroup, d
     return parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
 
 
-def build_gpt(shape: GPTShape, *, recompute: bool = False) -> GPTModel:
+def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED) -> GPTModel:
     """megatron-core GPTModel of `shape` for the current TP degree, fp32, no dropout.
 
     recompute: activation recomputation with one checkpoint per layer, as the paper trains.
+    seed: the weights' seed; each parameter is drawn from (seed, its name) (module docstring).
     Uses the Transformer Engine layer spec on GPU when it is installed, the local spec otherwise.
-    Built under `torch.device("meta")`, no memory is allocated (for counting, or for stage 3's
-    unit-by-unit materialization with `init_megatron_params`).
+    Built under `torch.device("meta")`, no memory is allocated and nothing is drawn (for
+    counting, or for stage 3's unit-by-unit materialization with `megatron_param_init_fn`).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     shape.check_tp(tp)
     with warnings.catch_warnings():  # megatron 0.16 warns about a CUDA-graph default it sets itself
         warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
         config = _transformer_config(shape, tp, recompute)
-    return GPTModel(config=config, transformer_layer_spec=_layer_spec(),
-                    vocab_size=padded_vocab_size(shape.vocab_size, tp), max_sequence_length=shape.seq_len,
-                    position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+    # Megatron's own draw (in construction order, from the global generator) would be
+    # overwritten: build with no-op init methods (its CPU initialization still allocates each
+    # weight and marks its TP attributes), then draw every parameter by name.
+    methods = {k: getattr(config, k) for k in _INIT_METHODS}
+    for k in _INIT_METHODS:
+        setattr(config, k, _skip_init)
+    try:
+        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(),
+                         vocab_size=padded_vocab_size(shape.vocab_size, tp), max_sequence_length=shape.seq_len,
+                         position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+    finally:
+        for k, method in methods.items():
+            setattr(config, k, method)
+    init_megatron_params(model, seed)  # no-op for parameters on the meta device
+    return model
+
+
+_INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
+
+
+def _skip_init(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _transformer_config(shape: GPTShape, tp: int, recompute: bool) -> TransformerConfig:
@@ -138,21 +182,135 @@ def _layer_spec():
     return get_gpt_layer_local_spec()
 
 
+# -- initialization by parameter role ----------------------------------------------------------
+@dataclass(frozen=True)
+class ParamRole:
+    """How megatron initializes one parameter.
+
+    fill: "normal" (drawn by the config's `init`), "ones" (norm scales) or "zeros" (biases).
+    init: the TransformerConfig attribute holding the init method, for "normal".
+    partition_dim: the dimension TP shards the parameter along; None when every TP rank holds
+        all of it (megatron's `partition_dim`, where its `tensor_model_parallel` is True).
+    """
+
+    fill: str
+    init: str | None = None
+    partition_dim: int | None = None
+
+
+# Owners (the attribute holding the parameter's module) -> role of their "weight" and "bias";
+# megatron-core 0.16: attention.py passes output_layer_init_method to linear_proj, mlp.py to
+# linear_fc2, init_method to linear_qkv / linear_fc1 / the output layer, and
+# language_model_embedding.py embedding_init_method to both embeddings.
+_COLUMN_PARALLEL = {"linear_qkv", "linear_q", "linear_kv", "linear_fc1", "output_layer"}
+_ROW_PARALLEL = {"linear_proj", "linear_fc2"}
+_VOCAB_PARALLEL = {"word_embeddings"}
+_SERIAL_EMBEDDINGS = {"position_embeddings", "tokentype_embeddings"}
+
+
+def param_role(name: str) -> ParamRole:
+    """The role of a GPTModel parameter from its qualified name, for the local layer spec
+    (`...input_layernorm.weight`, `...self_attention.linear_qkv.weight`) and the Transformer
+    Engine spec, whose LayerNorms are fused into the next linear layer
+    (`...linear_qkv.layer_norm_weight`, `...mlp.linear_fc1.layer_norm_bias`)."""
+    parts = name.split(".")
+    attr, owner = parts[-1], (parts[-2] if len(parts) > 1 else "")
+    if attr == "layer_norm_weight":
+        return ParamRole("ones")
+    if attr == "layer_norm_bias":
+        return ParamRole("zeros")
+    if owner.endswith("norm"):  # input_layernorm, pre_mlp_layernorm, final_layernorm, q/k_layernorm
+        if attr in ("weight", "bias"):
+            return ParamRole("ones" if attr == "weight" else "zeros")
+    elif owner in _COLUMN_PARALLEL:
+        if attr == "weight":
+            return ParamRole("normal", "init_method", 0)
+        if attr == "bias":
+            return ParamRole("zeros", None, 0)
+    elif owner in _ROW_PARALLEL:
+        if attr == "weight":
+            return ParamRole("normal", "output_layer_init_method", 1)
+        if attr == "bias":
+            return ParamRole("zeros")  # added after the all-reduce: every TP rank holds all of it
+    elif owner in _VOCAB_PARALLEL and attr == "weight":
+        return ParamRole("normal", "embedding_init_method", 0)
+    elif owner in _SERIAL_EMBEDDINGS and attr == "weight":
+        return ParamRole("normal", "embedding_init_method")
+    raise KeyError(f"no initialization role for parameter {name!r}")
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """The generator seed of one parameter: a hash of (seed, qualified name), 63 bits."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+
+
 @torch.no_grad()
-def init_megatron_params(module: torch.nn.Module) -> None:
-    """Megatron's initialization for a module's own parameters (for meta-device builds): weights
-    ~ N(0, 0.02), output projections of each layer scaled by 1/sqrt(2·layers), biases 0,
-    LayerNorm weights 1. Seed every rank alike."""
-    config = getattr(module, "config", None)
-    layers = config.num_layers if config is not None else 1
-    for name, p in module.named_parameters(recurse=False):
-        if "norm" in type(module).__name__.lower() and name == "weight":
-            p.fill_(1.0)
-        elif p.dim() == 1:
-            p.zero_()
+def init_parameter(param: torch.Tensor, name: str, config: TransformerConfig, seed: int,
+                   tp_rank: int | None = None, tp_size: int | None = None) -> None:
+    """Initialize one parameter (this TP rank's part of it) in place, by its role.
+
+    A drawn parameter is drawn whole (TP=1 shape) on the CPU from a generator seeded by
+    `parameter_seed(seed, name)` with megatron's init method for the role; a TP-sharded one
+    goes through megatron's `_initialize_affine_weight_cpu`, which keeps this rank's slice.
+    """
+    role = param_role(name)
+    if role.fill == "ones":
+        param.fill_(0.0 if config.layernorm_zero_centered_gamma else 1.0)
+        return
+    if role.fill == "zeros":
+        param.zero_()
+        return
+    if tp_rank is None or tp_size is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if getattr(param, "tensor_model_parallel", False) and param.partition_dim != role.partition_dim:
+        raise ValueError(f"{name}: megatron shards it along dim {param.partition_dim}, its role says "
+                         f"{role.partition_dim}")
+    init_method = getattr(config, role.init)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.default_generator.manual_seed(parameter_seed(seed, name))
+        if role.partition_dim is None:
+            master = torch.empty(param.shape, dtype=torch.float32)
+            init_method(master)
+            param.copy_(master)
         else:
-            scaled = type(module).__name__ == "RowParallelLinear"
-            p.normal_(0.0, INIT_STD / math.sqrt(2 * layers) if scaled else INIT_STD)
+            full = list(param.shape)
+            full[role.partition_dim] *= tp_size
+            _initialize_affine_weight_cpu(param, full[0], full[1], param.shape[role.partition_dim],
+                                          role.partition_dim, init_method,
+                                          stride=getattr(param, "partition_stride", 1), params_dtype=param.dtype,
+                                          rank=tp_rank, world_size=tp_size, skip_set_tensor_parallel_attributes=True)
+
+
+def init_megatron_params(model: torch.nn.Module, seed: int = INIT_SEED) -> None:
+    """(Re)initialize every parameter of `model` not on the meta device, by role and name."""
+    fn = megatron_param_init_fn(model, seed)
+    for module in model.modules():
+        fn(module)
+
+
+def megatron_param_init_fn(model: torch.nn.Module, seed: int = INIT_SEED) -> Callable[[torch.nn.Module], None]:
+    """stage 3's `param_init_fn` for `model` built on the meta device: initializes a module's
+    own parameters that are no longer on the meta device, each once (a module whose parameters
+    fall in two units is called twice: once its first ones are materialized, and they may be
+    sharded and released when the second are), with the values an eager build has."""
+    config = model.config
+    prefixes = {id(m): name for name, m in model.named_modules()}
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    done: set[str] = set()
+
+    def init(module: torch.nn.Module) -> None:
+        prefix = prefixes[id(module)]
+        for attr, p in module.named_parameters(recurse=False):
+            name = f"{prefix}.{attr}" if prefix else attr
+            if p.is_meta or name in done:
+                continue
+            init_parameter(p, name, config, seed, tp_rank, tp_size)
+            done.add(name)
+
+    return init
 
 
 def lm_inputs(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
