@@ -1,0 +1,42 @@
+"""The README is true to a fresh clone: every file or folder it names is tracked by git."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATED = ("results/runs", "results/reports", "results/slurm", "outputs", "multirun", ".venv")  # made by runs
+
+
+def tracked() -> tuple[set[str], set[str]]:
+    done = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0 or not done.stdout:
+        pytest.skip("not a git checkout")
+    files = set(done.stdout.split())
+    folders = {"/".join(f.split("/")[:i]) for f in files for i in range(1, f.count("/") + 1)}
+    return files, folders
+
+
+def named_paths(text: str) -> set[str]:
+    """Repository paths the README names: in `code` with a slash, and link or image targets."""
+    found = set(re.findall(r"`([^`\s]*/[^`\s]*)`", text)) | set(re.findall(r"\]\(([^)#\s]+)\)", text))
+    paths = set(re.findall(r"\b([A-Z][A-Z_]+\.md)\b", text))  # top-level documents: DESIGN.md, CHANGES.md...
+    for item in found:
+        if "://" in item or item.startswith(("-", "/", "~")) or any(c in item for c in "<>*=$%{}"):
+            continue  # URLs, options, absolute paths, placeholders, overrides
+        path = item.rstrip("/").removeprefix("./")
+        if path.split("/")[0] in {p.split("/")[0] for p in tracked()[0]} or path.startswith(".."):
+            paths.add(path)
+    return paths
+
+
+def test_readme_names_only_files_a_clone_has():
+    files, folders = tracked()
+    paths = named_paths((REPO / "README.md").read_text())
+    assert "experiments/train.py" in paths and "results/reference/reports/memory_bars.png" in paths
+    assert named_paths("see `../shared/notes.md` and DESIGN.md") == {"../shared/notes.md", "DESIGN.md"}
+    missing = sorted(p for p in paths if p not in files and p not in folders and not p.startswith(GENERATED))
+    assert not missing, f"the README names paths a fresh clone lacks: {missing}"
