@@ -5,10 +5,11 @@
 # per layer. Submit from the repository root:
 #
 #   sbatch slurm/run_13b.sh
-#   sbatch --nodes=1 --gpus-per-node=0 slurm/run_13b.sh cluster=local model=tiny_s gpus=2   # tiny CPU version
+#   sbatch --nodes=1 --gpus-per-node=0 --cpus-per-task=1 slurm/run_13b.sh cluster=local model=tiny_s gpus=2   # a tiny CPU version
 #
 # Extra arguments are Hydra overrides of experiments/train.py (they win over the ones below).
-# Adapt the partition/account lines (and --cpus-per-task) to your cluster.
+# Adapt the partition/account lines (and --cpus-per-task) to your cluster; options given to sbatch
+# override these #SBATCH lines (the tiny CPU version asks for one CPU, so it runs on any node).
 #SBATCH --job-name=zero-13b
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1

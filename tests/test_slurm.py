@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from experiments.records import load_records, validate_record
 from slurm_harness import LocalSlurm, ensure_installed
 
 REPO = Path(__file__).resolve().parents[1]
+SMALL_NODE = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1"]  # fits a one-CPU node
 TINY = ["cluster=local", "model=tiny_s", "gpus=2", "micro_batch=2", "train.steps=2", "train.warmup_steps=1",
         "train.precision=auto"]
 
@@ -26,16 +28,28 @@ def slurm():
     cluster.stop()
 
 
-def sbatch(slurm: LocalSlurm, tmp_path: Path, script: str, *overrides: str):
+def documented_tiny_command() -> list[str]:
+    """The README's "tiny CPU version" of run_13b.sh, word for word (also in the script's header)."""
+    [line] = [line for line in (REPO / "README.md").read_text().splitlines()
+              if line.startswith("sbatch ") and "tiny CPU version" in line]
+    command = line.split("#")[0].strip()
+    assert command in (REPO / "slurm" / "run_13b.sh").read_text(), "run_13b.sh's header documents another command"
+    return shlex.split(command)
+
+
+def sbatch(slurm: LocalSlurm, tmp_path: Path, command: list[str]):
+    """Run an `sbatch ...` command line as given, adding only --wait and a log path of the test's."""
     slurm.env["ZERO_REPRO_SLURM_RESULTS"] = str(tmp_path)
-    done = slurm.run("sbatch", "--wait", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
-                     f"--output={tmp_path}/%x-%j.log", script, *overrides, cwd=REPO)
+    assert command[0] == "sbatch"
+    done = slurm.run("sbatch", "--wait", f"--output={tmp_path}/%x-%j.log", *command[1:], cwd=REPO)
     job = done.stdout.split()[-1] if done.stdout.strip() else "?"
     return done, tmp_path / job, next(tmp_path.glob(f"*-{job}.log"), None)
 
 
-def test_run_13b_tiny_cpu_version(slurm, tmp_path):
-    done, job_dir, log = sbatch(slurm, tmp_path, "slurm/run_13b.sh", *TINY)
+def test_run_13b_tiny_cpu_version_runs_as_documented(slurm, tmp_path):
+    command = documented_tiny_command()
+    assert "--cpus-per-task=1" in command  # run_13b.sh asks for 32: as written it would stay pending here
+    done, job_dir, log = sbatch(slurm, tmp_path, command)
     assert done.returncode == 0, (done.stderr, log and log.read_text())
     status = json.loads((job_dir / "job_status.json").read_text())
     assert status["status"] == "ok" and status["exit_code"] == 0 and "model=fig4_13b" in status["overrides"]
@@ -47,7 +61,7 @@ def test_run_13b_tiny_cpu_version(slurm, tmp_path):
 
 
 def test_bad_override_leaves_an_invalid_status_and_a_readable_log(slurm, tmp_path):
-    done, job_dir, log = sbatch(slurm, tmp_path, "slurm/run_7b_zero2.sh", *TINY, "stage=7")
+    done, job_dir, log = sbatch(slurm, tmp_path, ["sbatch", *SMALL_NODE, "slurm/run_7b_zero2.sh", *TINY, "stage=7"])
     assert done.returncode != 0
     status = json.loads((job_dir / "job_status.json").read_text())
     assert status["status"] == "invalid" and status["exit_code"] == 2
