@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from zero_impl.config import STAGES, ZeroConfig
+from zero_impl.config import DTYPES, STAGES, ZeroConfig
+from experiments.analysis.activations import activation_memory, engine_buffer_bytes
 from experiments.analysis.memory import model_state_bytes
-from experiments.models.megatron_gpt import GPTShape, parameters_per_tp_rank
+from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameters_per_tp_rank
 
 from .schema import ModelConfig, TrainSettings
 
@@ -213,3 +214,27 @@ def predicted_model_state_bytes(point: Point, precision: str) -> dict[str, float
     if precision == "fp32":  # the master is the parameter itself: K = 8 (Adam's two moments)
         return model_state_bytes(psi, point.stage, point.dp, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     return model_state_bytes(psi, point.stage, point.dp)
+
+
+def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True) -> dict[str, float]:
+    """Peak bytes per GPU of the point's recipe: Table 1's model states, the activations of its
+    micro-batch (Korthikanti et al. 2022, with the point's recomputation) and the engine's
+    buffers (experiments/analysis/activations.py), each with its terms, and their `total`.
+    dropout: count dropout masks, as the paper's recipe trains (the benchmark model has none)."""
+    shape = point.shape
+    vocab = padded_vocab_size(shape.vocab_size, point.tp)
+    states = predicted_model_state_bytes(point, precision)
+    activations = activation_memory(seq_len=shape.seq_len, micro_batch=point.micro_batch, hidden=shape.hidden,
+                                    heads=shape.heads, layers=shape.layers, vocab=vocab, tp=point.tp,
+                                    recompute=point.train["recompute"], bytes_per_element=DTYPES[precision].itemsize,
+                                    dropout=dropout)
+    config = ZeroConfig(stage=point.stage, precision=precision, **point.zero)  # the engine's dtypes
+    buffers = engine_buffer_bytes(stage=point.stage, hidden=shape.hidden, seq_len=shape.seq_len, vocab=vocab,
+                                  tp=point.tp, params=parameters_per_tp_rank(shape, point.tp),
+                                  reduce_bucket_size=config.reduce_bucket_size,
+                                  stage3_max_live_units=config.stage3_max_live_units,
+                                  param_bytes=config.param_dtype.itemsize,
+                                  reduce_bytes=config.grad_reduce_dtype.itemsize)
+    return {"model_states": states["total"], "activations": activations["total"], "buffers": buffers["total"],
+            "total": states["total"] + activations["total"] + buffers["total"],
+            "terms": {"model_states": states, "activations": activations, "buffers": buffers}}

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from experiments import records
 from experiments.cli import preflight_or_exit
 from experiments.points import (ConfigError, Point, check_runnable_here, expand, local_devices,
-                                predicted_model_state_bytes, resolve_precision)
+                                predicted_memory_bytes, resolve_precision)
 from experiments.schema import register
 from experiments.train import build_record, classify_failure, run_as_rank, train_rank
 from experiments.launch import spawn
@@ -150,19 +150,27 @@ def write_summary_csv(rows: list[dict], path: Path) -> None:
 
 
 def dry_run(points: list[Point]) -> None:
-    """List the points with their shapes, GPU counts and predicted memory; run nothing."""
-    print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | model states/GPU (predicted) "
-          "| fits device | runnable here |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    """List the points with their shapes, GPU counts and predicted peak memory per GPU (model
+    states, activations of the micro-batch, engine buffers: points.predicted_memory_bytes); a
+    point fits when the total is within the cluster's device_memory_gb (x 1e9 bytes, as the
+    paper's Table 2). Run nothing."""
+    print("memory per GPU: Table 1 model states + activations (Korthikanti et al. 2022, dropout masks counted, "
+          "no ZeRO-R: checkpoints replicated over TP) + engine buffers; 'fits' against cluster.device_memory_gb")
+    print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | micro-batch | recompute "
+          "| model states/GPU | activations/GPU | buffers/GPU | total/GPU | fits device | runnable here |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|")
     for p in points:  # described for the target cluster's GPUs: "auto" means half precision there
         precision = p.train["precision"] if p.train["precision"] != "auto" else "fp16"
-        predicted = predicted_model_state_bytes(p, precision)["total"]
+        predicted = predicted_memory_bytes(p, precision)
         device_gb = p.cluster["device_memory_gb"]
-        fits = "-" if device_gb is None else ("yes" if predicted <= device_gb * 1e9 else "no")
+        fits = "-" if device_gb is None else ("yes" if predicted["total"] <= device_gb * 1e9 else "no")
         here = "yes" if p.gpus <= local_devices(p.cluster)[0] else "no"
         print(f"| {p.point_id} | {p.shape.layers} | {p.shape.hidden} | {p.shape.heads} "
               f"| {parameter_count(p.shape, p.tp) / 1e9:.3f} | {p.gpus} "
-              f"| {p.tp} | {p.dp} | {p.stage} | {p.global_batch} | {_bytes(predicted)} | {fits} | {here} |")
+              f"| {p.tp} | {p.dp} | {p.stage} | {p.global_batch} | {p.micro_batch} "
+              f"| {'yes' if p.train['recompute'] else 'no'} | {_bytes(predicted['model_states'])} "
+              f"| {_bytes(predicted['activations'])} | {_bytes(predicted['buffers'])} | {_bytes(predicted['total'])} "
+              f"| {fits} | {here} |")
 
 
 def run_sweep(cfg: DictConfig) -> int:

@@ -171,8 +171,14 @@ def test_dry_run_cli_lists_paper_points_with_predicted_memory():
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("| fig4_13b-s2-g128"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:4] == ["62", "4096", "32"] and cells[5] == "128"
-    assert cells[10] == "26.78 GB" and cells[11] == "yes"  # 2Ψ + 14Ψ/128 of 12.7B fits a 32 GB V100
+    assert cells[1:4] == ["62", "4096", "32"] and cells[5] == "128" and cells[10:12] == ["2", "yes"]
+    # Model states 2Ψ + 14Ψ/128 of 12.7B, activations of micro-batch 2 with recomputation (62
+    # checkpoints of 2sbh + one recomputed layer + LayerNorm/output inputs), then the engine's
+    # buffers: together within a 32 GB V100 (tests/test_activation_memory.py has the sums).
+    assert cells[12] == "26.78 GB" and cells[13] == "1.70 GB" and cells[16] == "yes"
+    big = next(line for line in run_sweep_cli("experiment=fig2", "dry_run=true", timeout=120).stdout.splitlines()
+               if line.startswith("| fig2_100b-s2-g400-tp16-mb32"))
+    assert big.rstrip(" |").endswith("| no | no")  # 67 GB of activation checkpoints alone: no fit, not runnable here
 
 
 def test_paper_shapes_all_have_a_model_config():

@@ -1,0 +1,140 @@
+"""Memory per GPU beyond model states: activations, the loss's logits, and the engine's buffers.
+
+Table 1 of the ZeRO paper counts model states only (`memory.py`); whether a point fits a GPU
+also depends on what its micro-batch keeps for backward. Sources and formulas, bytes, with
+s = sequence length, b = micro-batch, h = hidden, a = heads, L = layers, V = padded vocabulary,
+t = tensor-parallel degree, p = bytes per activation element (2 for fp16/bf16):
+
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv 2205.05198), §4.1 Eq. (1): one transformer layer keeps s·b·h·(34 + 5·a·s/h) bytes
+  for backward (16-bit activations, 1-byte dropout masks); §4.2 Eq. (2), tensor parallelism
+  without sequence parallelism: s·b·h·(10 + 24/t + 5·a·s/(h·t)). By tensor:
+      replicated on every TP rank: LayerNorm inputs 2·2sbh, QKV and FC1 inputs 2·2sbh, two
+          dropout masks 2·sbh                                  -> sbh·(4p + 2)
+      sharded: Q, K, V 6sbh, projection input 2sbh, GeLU input 8sbh, FC2 input 8sbh
+                                                               -> sbh·12p / t
+      attention: softmax output 2as²b, its dropout mask as²b, dropout output 2as²b
+                                                               -> as²b·(2p + 1) / t
+  (`layer_activation_bytes`; with dropout off the masks and the dropout output go: the paper
+  trains GPT-2 with dropout 0.1, the benchmark model here runs without).
+- §5, full activation recomputation (one checkpoint per layer, as the paper trains): only each
+  layer's input is kept, p·s·b·h bytes per layer = 2sbh at fp16, held whole by every TP rank
+  (not divided by t) unless ZeRO-R's Pa partitions it; backward then recomputes one layer at a
+  time, whose full activations (Eq. 2) exist while it runs (`checkpoint_bytes`).
+- §4.3, outside the layers: the final LayerNorm's and the output layer's inputs (p·sbh each)
+  and the embedding dropout mask (sbh), replicated (`head_bytes`); the cross entropy keeps the
+  fp32 softmax of the vocabulary-parallel logits, 4·s·b·V/t. While it runs the p-byte logits
+  (or, in backward, their gradient) exist beside it: megatron-core's vocab_parallel_cross_entropy
+  casts the logits with `.float()` and exponentiates in place, so the loss's working set peaks
+  at (p + 4)·s·b·V/t = 6·s·b·V/t at fp16 (4·s·b·V/t in fp32, where `.float()` copies
+  nothing) (`logits_bytes`). It is freed after the output layer's backward, before any layer
+  is recomputed, so only the larger of the two working sets counts.
+- The engine (zero_impl), during backward (`engine_buffer_bytes`):
+      stages 0-1: none beyond model states (the full gradient buffer is Table 1's 2Ψ);
+      stage 2: bucket staging in the reduce dtype, MAX_INFLIGHT_STAGING buckets of
+          reduce_bucket_size elements in flight plus the one filling, which is the tied
+          embedding's own bucket at the end of backward (zero_impl/grad_reducer.py);
+      stage 3: the gathered units, at most stage3_max_live_units of them, the root (the
+          embeddings) among them, in model precision, plus the same gradient staging with one
+          bucket per unit;
+  and at every stage the tied word-embedding/output-layer gradient, V·h/t elements: the
+  output layer's part is produced first and waits for the embedding lookup's, at the very end
+  of backward, before its accumulation hook fires.
+
+Peak per GPU (`activation_memory`, `points.predicted_memory_bytes`):
+    model states + kept activations + max(loss working set, one recomputed layer) + buffers.
+"""
+from __future__ import annotations
+
+from zero_impl.grad_reducer import MAX_INFLIGHT_STAGING
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
+                           bytes_per_element: int = 2, dropout: bool = True) -> float:
+    """Bytes one transformer layer keeps for backward on one TP rank (Korthikanti et al. 2022
+    Eq. 1 at t = 1, Eq. 2 for TP t without sequence parallelism; p = 2 with dropout gives
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)))."""
+    s, b, h, a, t, p = seq_len, micro_batch, hidden, heads, tp, bytes_per_element
+    masks = 1 if dropout else 0
+    replicated = s * b * h * (4 * p + 2 * masks)
+    sharded = s * b * h * 12 * p / t
+    attention = a * s * s * b * (p + masks * (p + 1)) / t
+    return replicated + sharded + attention
+
+
+def checkpoint_bytes(seq_len: int, micro_batch: int, hidden: int, layers: int, *, bytes_per_element: int = 2) -> float:
+    """Layer inputs kept with full recomputation: p·s·b·h per layer (2sbh at fp16, Korthikanti
+    §5), on every TP rank."""
+    return layers * bytes_per_element * seq_len * micro_batch * hidden
+
+
+def head_bytes(seq_len: int, micro_batch: int, hidden: int, *, bytes_per_element: int = 2,
+               dropout: bool = True) -> float:
+    """Outside the layers (Korthikanti §4.3): final LayerNorm input and output-layer input,
+    p·sbh each, and the embedding dropout mask, sbh; replicated over TP."""
+    return seq_len * micro_batch * hidden * (2 * bytes_per_element + (1 if dropout else 0))
+
+
+def logits_bytes(seq_len: int, micro_batch: int, vocab: int, tp: int = 1, *, bytes_per_element: int = 2) -> float:
+    """The loss's working set: the fp32 softmax of the vocabulary-parallel logits, 4·s·b·V/t
+    (Korthikanti §4.3), plus the p-byte logits or their gradient beside it, (p + 4)·s·b·V/t in
+    all (6·s·b·V/t at fp16; 4·s·b·V/t in fp32, where megatron's `.float()` copies nothing)."""
+    extra = 0 if bytes_per_element == 4 else bytes_per_element
+    return seq_len * micro_batch * vocab / tp * (4 + extra)
+
+
+def activation_memory(*, seq_len: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
+                      tp: int = 1, recompute: bool = True, bytes_per_element: int = 2,
+                      dropout: bool = True) -> dict[str, float]:
+    """Activation bytes per GPU by term, and `total`: what is kept through forward plus the
+    larger of the two transient working sets (the loss's, or one recomputed layer's)."""
+    layer = layer_activation_bytes(seq_len, micro_batch, hidden, heads, tp, bytes_per_element=bytes_per_element,
+                                   dropout=dropout)
+    out = {
+        "layers_kept": (checkpoint_bytes(seq_len, micro_batch, hidden, layers, bytes_per_element=bytes_per_element)
+                        if recompute else layers * layer),
+        "head": head_bytes(seq_len, micro_batch, hidden, bytes_per_element=bytes_per_element, dropout=dropout),
+        "recomputed_layer": layer if recompute else 0.0,
+        "logits": logits_bytes(seq_len, micro_batch, vocab, tp, bytes_per_element=bytes_per_element),
+    }
+    out["total"] = out["layers_kept"] + out["head"] + max(out["recomputed_layer"], out["logits"])
+    return out
+
+
+def layer_params_per_tp_rank(hidden: int, tp: int) -> float:
+    """Parameters of one transformer layer on one TP rank: (12h² + 7h)/t sharded (QKV, projection
+    and MLP weights, QKV and FC1 biases) + 6h replicated (two LayerNorms, two row-parallel biases)."""
+    return (12 * hidden * hidden + 7 * hidden) / tp + 6 * hidden
+
+
+def root_params_per_tp_rank(hidden: int, seq_len: int, vocab: int, tp: int) -> float:
+    """Parameters outside the layers on one TP rank: word embeddings V·h/t (tied to the output
+    layer), position embeddings s·h, final LayerNorm 2h."""
+    return vocab * hidden / tp + seq_len * hidden + 2 * hidden
+
+
+def engine_buffer_bytes(*, stage: int, hidden: int, seq_len: int, vocab: int, tp: int = 1, params: float,
+                        reduce_bucket_size: int, stage3_max_live_units: int = 3, param_bytes: int = 2,
+                        reduce_bytes: int = 2) -> dict[str, float]:
+    """The engine's buffers during backward on one GPU, by term, and `total` (module docstring).
+
+    params: the parameters of this TP rank (Ψ of Table 1); a bucket never holds more.
+    Gradient staging: MAX_INFLIGHT_STAGING buckets in flight plus the one filling. A parameter
+    larger than reduce_bucket_size gets a bucket of its own; in GPT that is the tied word
+    embedding (V·h/t), the last parameter to report its gradient, so at most one staged bucket
+    is that large: MAX_INFLIGHT_STAGING·B + max(B, V·h/t) elements, B = reduce_bucket_size.
+    Stage 3 stages one bucket per unit, the root unit (embeddings) last, and keeps the root plus
+    stage3_max_live_units - 1 layers gathered.
+    """
+    layer = layer_params_per_tp_rank(hidden, tp)
+    root = root_params_per_tp_rank(hidden, seq_len, vocab, tp)
+    embedding = vocab * hidden / tp
+    out = {"grad_staging": 0.0, "gathered_units": 0.0, "embedding_grad": embedding * param_bytes}
+    if stage == 2:
+        bucket = min(reduce_bucket_size, params)
+        out["grad_staging"] = min(params, MAX_INFLIGHT_STAGING * bucket + max(bucket, embedding)) * reduce_bytes
+    elif stage == 3:
+        out["grad_staging"] = (MAX_INFLIGHT_STAGING * layer + max(layer, root)) * reduce_bytes
+        out["gathered_units"] = (root + (stage3_max_live_units - 1) * layer) * param_bytes
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,148 @@
+"""Memory per GPU beyond model states (experiments/analysis/activations.py) and the dry run's
+verdicts for the paper's points, each checked against a calculation written out here."""
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from experiments import sweep
+from experiments.analysis.activations import (activation_memory, checkpoint_bytes, engine_buffer_bytes, head_bytes,
+                                              layer_activation_bytes, layer_params_per_tp_rank, logits_bytes,
+                                              root_params_per_tp_rank)
+from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameter_count, parameters_per_tp_rank
+from experiments.points import CONF_DIR, expand, predicted_memory_bytes
+from zero_impl.grad_reducer import MAX_INFLIGHT_STAGING
+
+V100 = 32e9  # conf/cluster/dgx2_v100.yaml device_memory_gb, x 1e9 as the paper's Table 2
+
+
+def _points(experiment: str) -> dict:
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="sweep", overrides=[f"experiment={experiment}", "dry_run=true"])
+    return {(p.model["name"], p.stage, p.gpus, p.tp, p.micro_batch): p for p in expand(cfg)}
+
+
+# -- each term against a hand calculation ------------------------------------------------------
+def test_layer_activations_korthikanti_eq1_eq2():
+    s, b, h, a = 1024, 32, 8192, 64
+    sbh = s * b * h
+    # Eq. 1, t = 1: sbh(34 + 5as/h) = sbh(34 + 40)
+    assert layer_activation_bytes(s, b, h, a) == sbh * 74
+    # Eq. 2, t = 16, no sequence parallelism: sbh(10 + 24/16 + 5as/(16h)) = sbh(10 + 1.5 + 2.5)
+    assert layer_activation_bytes(s, b, h, a, tp=16) == pytest.approx(sbh * 14, rel=1e-12)
+    # No dropout: no masks (2sbh, as²b) and no dropout output (2as²b): 32sbh + 2as²b at t = 1.
+    assert layer_activation_bytes(s, b, h, a, dropout=False) == 32 * sbh + 2 * a * s * s * b
+    # fp32, no dropout: every stored tensor twice as wide: 64sbh + 4as²b.
+    assert layer_activation_bytes(s, b, h, a, bytes_per_element=4, dropout=False) == 64 * sbh + 4 * a * s * s * b
+
+
+def test_checkpoints_head_and_logits():
+    # 100B (125 layers, h 8192), micro-batch 32: one fp16 layer input per layer, on every TP rank.
+    assert checkpoint_bytes(1024, 32, 8192, 125) == 125 * 2 * 1024 * 32 * 8192 == 67_108_864_000
+    assert checkpoint_bytes(1024, 32, 8192, 125, bytes_per_element=4) == 2 * 67_108_864_000
+    # Final LayerNorm input + output-layer input (2 bytes each) + embedding dropout mask (1 byte).
+    assert head_bytes(1024, 2, 4096) == 5 * 1024 * 2 * 4096
+    assert head_bytes(1024, 2, 4096, dropout=False) == 4 * 1024 * 2 * 4096
+    # fp16 logits (2 bytes) beside their fp32 softmax (4 bytes), vocabulary split over TP.
+    assert logits_bytes(1024, 2, 50304) == 6 * 1024 * 2 * 50304
+    assert logits_bytes(1024, 32, 51200, tp=16) == 6 * 1024 * 32 * 3200
+    assert logits_bytes(1024, 2, 50304, bytes_per_element=4) == 4 * 1024 * 2 * 50304  # fp32: .float() is a no-op
+
+
+def test_activation_total_keeps_the_larger_working_set():
+    s, b, h, a, l, v = 1024, 2, 4096, 32, 62, 50304
+    sbh = s * b * h
+    layer, logits = sbh * (34 + 5 * a * s / h), 6 * s * b * v
+    m = activation_memory(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=l, vocab=v, recompute=True)
+    assert m["total"] == l * 2 * sbh + 5 * sbh + max(layer, logits)
+    m = activation_memory(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=l, vocab=v, recompute=False)
+    assert m["total"] == l * layer + 5 * sbh + logits
+
+
+def test_unit_sizes_add_up_to_the_megatron_count():
+    for shape, tp in ((GPTShape(125, 8192, 64), 16), (GPTShape(62, 4096, 32), 1), (GPTShape(2, 16, 4, 8, 256), 2)):
+        v = padded_vocab_size(shape.vocab_size, tp)
+        total = shape.layers * layer_params_per_tp_rank(shape.hidden, tp) + root_params_per_tp_rank(
+            shape.hidden, shape.seq_len, v, tp)
+        assert total == parameters_per_tp_rank(shape, tp)
+
+
+def test_engine_buffers():
+    h, s, v, b = 4096, 1024, 50304, 40_000_000
+    emb = v * h  # 206M elements: larger than a bucket, so a bucket of its own
+    common = dict(hidden=h, seq_len=s, vocab=v, params=12.7e9, reduce_bucket_size=b)
+    assert engine_buffer_bytes(stage=0, **common)["total"] == emb * 2  # the tied embedding's gradient only
+    assert engine_buffer_bytes(stage=1, **common)["total"] == emb * 2
+    stage2 = engine_buffer_bytes(stage=2, **common)
+    assert stage2["grad_staging"] == (MAX_INFLIGHT_STAGING * b + emb) * 2
+    assert stage2["total"] == (MAX_INFLIGHT_STAGING * b + emb) * 2 + emb * 2
+    # A model smaller than a bucket stages at most itself.
+    assert engine_buffer_bytes(stage=2, hidden=16, seq_len=8, vocab=256, params=10_000,
+                               reduce_bucket_size=b)["grad_staging"] == 10_000 * 2
+    stage3 = engine_buffer_bytes(stage=3, stage3_max_live_units=3, **common)
+    layer, root = 12 * h * h + 13 * h, emb + s * h + 2 * h
+    assert stage3["gathered_units"] == (root + 2 * layer) * 2
+    assert stage3["grad_staging"] == (MAX_INFLIGHT_STAGING * layer + root) * 2
+
+
+# -- verdicts for the paper's points -----------------------------------------------------------
+def test_fig2_100b_does_not_fit_without_partitioned_activations():
+    """100B at MP 16 on 400 GPUs, micro-batch 32, stage 2, fp16: the activation checkpoints
+    alone, 125 layers x 2·1024·32·8192 bytes = 67.1 GB, are twice a V100."""
+    point = _points("fig2")[("fig2_100b", 2, 400, 16, 32)]
+    assert point.train["recompute"] and point.dp == 25
+    m = predicted_memory_bytes(point, "fp16")
+    assert m["terms"]["activations"]["layers_kept"] == 125 * 2 * 1024 * 32 * 8192 == pytest.approx(67.1e9, rel=1e-3)
+    psi = parameters_per_tp_rank(point.shape, 16)  # 6.3B per TP rank
+    assert m["model_states"] == pytest.approx(2 * psi + 14 * psi / 25)  # 16.2 GB: fits on its own
+    assert m["model_states"] < V100 < m["total"]
+
+
+def test_fig2_small_point_fits():
+    """1.5B (48 x 1600, 16 heads), stage 2, 400 GPUs, MP 1, micro-batch 24, fp16."""
+    point = _points("fig2")[("fig2_1.5b", 2, 400, 1, 24)]
+    s, b, h, a, l, v = 1024, 24, 1600, 16, 48, 50304
+    sbh = s * b * h
+    psi = parameter_count(point.shape)
+    states = 2 * psi + 14 * psi / 400                                         # 3.17 GB
+    activations = l * 2 * sbh + 5 * sbh + max(sbh * (34 + 5 * a * s / h),      # 3.77 + 0.20 GB
+                                              6 * s * b * v)                   # + 7.42 GB logits
+    bucket = point.zero["reduce_bucket_size"]
+    buffers = (MAX_INFLIGHT_STAGING * bucket + max(bucket, v * h)) * 2 + v * h * 2
+    m = predicted_memory_bytes(point, "fp16")
+    assert m["total"] == pytest.approx(states + activations + buffers, rel=1e-12)
+    assert m["total"] < 16e9 < V100
+
+
+def test_fig4_13b_without_mp_fits():
+    """Figure 4's largest ZeRO model: 13B (62 x 4096, 32 heads) on 128 GPUs, MP 1, stage 2,
+    micro-batch 2, fp16: 26.8 GB of model states + 1.7 GB of activations (1.04 GB of
+    checkpoints, one recomputed layer 0.62 GB > the loss's 0.62 GB) + the engine's buffers
+    (0.98 GB with 4e7-element buckets; 3.4 GB with DeepSpeed's 5e8) = 29.5 GB (31.9 GB): fits a
+    32 GB V100, as the paper trains it, but with little room."""
+    point = _points("fig4")[("fig4_13b", 2, 128, 1, 2)]
+    s, b, h, a, l, v = 1024, 2, 4096, 32, 62, 50304
+    sbh = s * b * h
+    psi = parameter_count(point.shape)
+    states = 2 * psi + 14 * psi / 128
+    activations = l * 2 * sbh + 5 * sbh + max(sbh * (34 + 5 * a * s / h), 6 * s * b * v)
+    bucket = point.zero["reduce_bucket_size"]
+    buffers = (MAX_INFLIGHT_STAGING * bucket + max(bucket, v * h)) * 2 + v * h * 2
+    m = predicted_memory_bytes(point, "fp16")
+    assert m["total"] == pytest.approx(states + activations + buffers, rel=1e-12)
+    assert states == pytest.approx(26.78e9, rel=1e-3) and activations == pytest.approx(1.703e9, rel=1e-3)
+    assert m["total"] < V100
+
+
+def test_dry_run_prints_the_terms_and_the_verdicts(capsys):
+    points = _points("fig2")
+    sweep.dry_run(list(points.values()))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| fig2_")}
+    big = rows[points[("fig2_100b", 2, 400, 16, 32)].point_id]
+    small = rows[points[("fig2_1.5b", 2, 400, 1, 24)].point_id]
+    # | point | ... | micro-batch | recompute | model states | activations | buffers | total | fits | here |
+    assert big[10:12] == ["32", "yes"] and big[12] == "16.21 GB" and big[13] == "72.21 GB" and big[16] == "no"
+    assert small[16] == "yes"
