@@ -6,6 +6,7 @@ role, whole (TP=1 shape) on every TP rank, which keeps its slice (experiments/mo
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,6 +84,28 @@ def test_meta_build_through_stage3_equals_eager_build(world, tp, threshold, tp1)
                 assert not same, name            # the TP slices of a drawn weight differ
         qkv = tp1["eager"]["decoder.layers.0.self_attention.linear_qkv.weight"]
         assert not torch.equal(qkv[: qkv.shape[0] // 2], qkv[qkv.shape[0] // 2:])
+
+
+def _train_build(tp: int) -> bool:
+    """train.py's _build: stage 3 above META_BUILD_PARAMS (lowered to 0 here) builds on the meta
+    device and hands stage 3 its param_init_fn; the result equals its eager build."""
+    from experiments import train
+    dp_group, tp_group = initialize_parallel(tp)
+    train.META_BUILD_PARAMS = 0
+    point = SimpleNamespace(stage=3, shape=SHAPE, tp=tp, train={"recompute": False, "seed": SEED})
+    meta, init_fn = train._build(point, torch.device("cpu"))
+    assert init_fn is not None and all(p.is_meta for p in meta.parameters())
+    engine = zero_impl.initialize(meta, zero_impl.ZeroConfig(stage=3), optimizer=lambda g: torch.optim.AdamW(g),
+                                  dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
+    point.stage = 2
+    eager, none = train._build(point, torch.device("cpu"))
+    assert none is None
+    return _equal(_gather_tp(meta, engine.full_parameters(), tp_group),
+                  _gather_tp(eager, {n: p.detach() for n, p in eager.named_parameters()}, tp_group))
+
+
+def test_train_meta_build_equals_its_eager_build():
+    assert all(spawn(_train_build, 2, 2, timeout=180))
 
 
 def _statistics() -> dict:
