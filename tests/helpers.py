@@ -20,11 +20,12 @@ CLIP = 0.28  # between the gradient norms of the run (0.26-0.32): some steps cli
 MICRO_BATCH = 2
 
 
-def make_model(tie_blocks: bool = False) -> TinyGPT:
+def make_model(tie_blocks: bool = False, dtype: torch.dtype = torch.float32) -> TinyGPT:
     """Same initial weights in every process; position embeddings frozen (a frozen parameter).
-    `tie_blocks`: block 1's MLP input weight is block 0's (one Parameter in two stage-3 units)."""
+    `tie_blocks`: block 1's MLP input weight is block 0's (one Parameter in two stage-3 units).
+    `dtype`: the weights are drawn in fp32 and then converted, so every dtype starts alike."""
     torch.manual_seed(0)
-    model = TinyGPT(MODEL)
+    model = TinyGPT(MODEL).to(dtype)
     model.wpe.weight.requires_grad_(False)
     if tie_blocks:
         model.blocks[1].fc.weight = model.blocks[0].fc.weight
@@ -54,25 +55,26 @@ def reference_run(steps: int, world: int, accum: int, clip: float = CLIP, precis
 
     With precision "bf16"/"fp16" it is the textbook mixed-precision loop, written independently
     of zero_impl: a low-precision model, fp32 master weights in the optimizer, fp16 loss scaled.
+    With "fp64" everything is float64.
     """
-    model = make_model(tie_blocks)
+    model = make_model(tie_blocks, dtype=torch.float64 if precision == "fp64" else torch.float32)
     names = [n for n, _ in model.named_parameters()]
     masters = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     model.to(zero_impl.config.DTYPES[precision])
     for n, p in model.named_parameters():
         if not p.requires_grad:  # a frozen parameter only exists in model precision
-            masters[n] = p.detach().float()
+            masters[n] = p.detach().to(masters[n].dtype)
     opt = adamw(param_groups(_MasterView(model, masters)))
     scale = 1024.0 if precision == "fp16" else 1.0
     losses, norms = [], []
     for step in range(steps):
         tokens = global_batch(step, world, accum).reshape(-1, MODEL.seq_len)
-        loss = lm_loss(model(tokens).float(), tokens)
+        loss = lm_loss(model(tokens), tokens)
         model.zero_grad()
         (loss * scale).backward()
         for n, p in model.named_parameters():
             if p.requires_grad:
-                masters[n].grad = p.grad.float() / scale
+                masters[n].grad = p.grad.to(masters[n].dtype) / scale
         trainable = [masters[n] for n in names if masters[n].requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else float("inf"))
         opt.step()
@@ -98,13 +100,13 @@ class _MasterView(torch.nn.Module):
 def zero_run(steps: int, accum: int, tie_blocks: bool = False, **config) -> dict:
     """Runs inside a rank: the same training through the engine. Returns what the tests compare."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = make_model(tie_blocks)
+    model = make_model(tie_blocks, dtype=torch.float64 if config.get("precision") == "fp64" else torch.float32)
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(grad_accum_steps=accum, **config),
                                   optimizer=adamw, param_groups=param_groups(model))
     losses, applied = [], []
     for step in range(steps):
         batch = global_batch(step, world, accum)
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=torch.float64)
         for k in range(accum):
             tokens = batch[k, rank]
             loss = lm_loss(engine(tokens), tokens)
@@ -116,9 +118,35 @@ def zero_run(steps: int, accum: int, tie_blocks: bool = False, **config) -> dict
     return {"params": engine.full_parameters(), "losses": losses, "applied": applied, "stats": engine.stats()}
 
 
+def fp64_tolerance(*, steps: int, lr: float, tokens: int, widest_sums: int, adam_eps: float = 1e-8) -> float:
+    """Bound on |engine - reference| after `steps` float64 Adam steps that differ only in the
+    order of their sums, the reason parity is checked in float64 on any CPU.
+
+    Engine and reference add the same terms in different orders: per rank and then over ranks,
+    and kernels block their sums differently on AVX2 / AVX-512 and at other thread counts. A
+    gradient element sums `tokens` per-token terms, each a chain of products whose inner sums
+    run over at most `widest_sums` elements in all (hidden, MLP and vocabulary widths along the
+    chain); to first order a reordering moves it by at most (tokens + widest_sums)·u·Σ|terms|,
+    u = 2^-53, with Σ|terms| ≤ 1 for these models (the loss is a mean over tokens of O(1)
+    terms). Adam maps a gradient change δ to an update change of at most lr·δ/ε (its largest
+    slope, at a gradient of zero), once per step. Measured differences are ~1e-15: the bound is
+    loose, yet it stays orders of magnitude below any algorithmic error (a lost micro-batch, a
+    wrong scale or clip moves parameters by ~lr per step), and in float32 the same bound would
+    exceed lr itself: there no element-wise parity can be promised.
+    """
+    return steps * lr * (tokens + widest_sums) * 2.0 ** -53 / adam_eps
+
+
+# The tiny model's parity bound: at most 10 steps; tokens per gradient: 2 accumulated
+# micro-batches of MICRO_BATCH sequences on each of up to 4 ranks; widest sums along a chain:
+# every layer's MLP width, then the vocabulary.
+FP64_TOL = fp64_tolerance(steps=10, lr=LR, tokens=2 * 4 * MICRO_BATCH * MODEL.seq_len,
+                          widest_sums=MODEL.layers * 4 * MODEL.hidden + MODEL.vocab_size)
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
-    return max((a[n].float() - b[n].float()).abs().max().item() for n in a)
+    return max((a[n].double() - b[n].double()).abs().max().item() for n in a)
 
 
 @torch.no_grad()

@@ -17,7 +17,8 @@ from experiments.launch import spawn
 from experiments.analysis.memory import model_state_bytes, predicted_for_engine
 
 
-def _engine(stage: int, precision: str = "bf16", **config) -> zero_impl.ZeroEngine:
+def _engine(stage: int, precision: str = "fp16", **config) -> zero_impl.ZeroEngine:
+    """The paper's arrangement by default: fp16 parameters and gradients (P = G = 2), K = 12."""
     model = make_model()
     return zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, precision=precision,
                                                             reduce_bucket_size=500, **config),

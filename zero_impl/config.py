@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                  "fp64": torch.float64}
 STAGES = (0, 1, 2, 3)
 
 
@@ -19,12 +20,19 @@ class ZeroConfig:
 
     stage: 0 = plain data parallelism (all-reduce), 1 = Pos, 2 = Pos+g, 3 = Pos+g+p.
     precision: dtype of the model's parameters and gradients; with "bf16"/"fp16" the optimizer
-        keeps an fp32 master copy of this rank's shard.
-    reduce_dtype: dtype in which gradients are accumulated and reduced (None = the precision's).
+        keeps an fp32 master copy of this rank's shard. "fp64" exists for verification: with
+        double-precision rounding the engine can be compared with a reference to 1e-10.
+    reduce_dtype: dtype in which gradients are accumulated and reduced. None: fp32 for bf16 (as
+        Megatron-core and DeepSpeed's bf16 optimizer do: bf16's 8-bit mantissa drops small
+        contributions when micro-batches and ranks are summed), the precision's own otherwise.
     grad_accum_steps: micro-batches per optimizer step; `backward` divides the loss by it.
     clip_grad_norm: clip to this global L2 norm (0 = off).
     reduce_bucket_size / allgather_bucket_size: elements per gradient bucket / per parameter
-        all-gather (DeepSpeed's names and defaults).
+        all-gather (DeepSpeed's names). Default 4e7, Megatron-core's bucket size, not DeepSpeed's
+        5e8: the stage-2 gradient staging then holds at most MAX_INFLIGHT_STAGING + 1 buckets
+        (grad_reducer.py), a constant independent of the model (a single parameter larger than a
+        bucket gets a bucket of its own), where 5e8 would stage the whole gradient of any model
+        under 500M parameters.
     overlap_comm: launch a bucket's collective asynchronously as soon as it is ready, so it runs
         while backward computes the next bucket; False = blocking collectives.
     loss_scale: fp16 only; 0 = dynamic loss scaling starting at 2**initial_scale_power, halved
@@ -44,8 +52,8 @@ class ZeroConfig:
     reduce_dtype: str | None = None
     grad_accum_steps: int = 1
     clip_grad_norm: float = 0.0
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = 40_000_000
+    allgather_bucket_size: int = 40_000_000
     overlap_comm: bool = True
     loss_scale: float = 0.0
     initial_scale_power: int = 16
@@ -91,11 +99,18 @@ class ZeroConfig:
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:
-        return DTYPES[self.reduce_dtype or self.precision]
+        if self.reduce_dtype is not None:
+            return DTYPES[self.reduce_dtype]
+        return torch.float32 if self.precision == "bf16" else self.param_dtype
 
     @property
     def mixed_precision(self) -> bool:
-        return self.precision != "fp32"
+        return self.precision in ("bf16", "fp16")
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """dtype of the optimizer's master weights: fp32 for mixed precision, else the model's."""
+        return torch.float32 if self.mixed_precision else self.param_dtype
 
     @classmethod
     def from_dict(cls, values: dict) -> "ZeroConfig":

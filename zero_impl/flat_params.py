@@ -16,15 +16,17 @@ class FlatParamBuffer:
     """The flat parameter buffer of stages 0-2 and its post-step all-gather."""
 
     def __init__(self, slots: list[Slot], *, bucket_size: int, allgather_bucket_size: int,
-                 sharded: bool, comm: Communicator, overlap: bool) -> None:
+                 sharded: bool, comm: Communicator, overlap: bool, dtype: torch.dtype = torch.float32) -> None:
+        """`dtype`: the masters' dtype, in which the buffer is built from the model's values."""
         self.slots, self.comm, self.overlap = slots, comm, overlap
         self.sharded = sharded
         self.allgather_bucket_size = allgather_bucket_size
         self.buckets: list[Bucket] = build_buckets(slots, bucket_size, comm.size if sharded else 1)
         self.numel = self.buckets[-1].end if self.buckets else 0
         device = slots[0].param.device if slots else torch.device("cpu")
-        # Built in fp32 from the model's current values; `bind` converts it to model precision.
-        self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # Built in the masters' dtype from the model's current values; `bind` converts it to
+        # model precision.
+        self.data = torch.zeros(self.numel, dtype=dtype, device=device)
         for s in slots:
             self.data[s.start:s.end].copy_(s.param.detach().reshape(-1))
 
@@ -32,7 +34,7 @@ class FlatParamBuffer:
         return bucket.shard_range(self.comm.rank) if self.sharded else (bucket.start, bucket.end)
 
     def shard_view(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's slice of `bucket` (fp32 before `bind`, model precision after)."""
+        """This rank's slice of `bucket` (masters' dtype before `bind`, model precision after)."""
         lo, hi = self.owned_range(bucket)
         return self.data[lo:hi]
 
@@ -73,3 +75,9 @@ class FlatParamBuffer:
 
     def param_tensors(self) -> list[torch.Tensor]:
         return [self.data]
+
+    def close(self, gather: bool = True) -> None:
+        """Give each parameter its own storage, a copy of its slice (every rank holds the full
+        values: no collective, `gather` is stage 3's), so the flat buffer goes with this object."""
+        for s in self.slots:
+            s.param.data = s.param.data.clone()

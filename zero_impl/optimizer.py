@@ -57,13 +57,14 @@ class ShardedOptimizer:
 
     def __init__(self, shards: list[OwnedShard], group_options: list[dict], factory: OptimizerFactory, *, clip_grad_norm: float,
                  scaler: LossScaler, dp: Communicator, mp: Communicator, grads_replicated: bool,
-                 share_master: bool) -> None:
+                 share_master: bool, master_dtype: torch.dtype = torch.float32) -> None:
         self.shards = shards
         self.clip_grad_norm = clip_grad_norm
         self.scaler = scaler
         self.dp, self.mp = dp, mp
         self.grads_replicated = grads_replicated
-        self.share_master = share_master  # fp32 training: the master *is* the model's shard
+        self.share_master = share_master  # fp32/fp64 training: the master *is* the model's shard
+        self.master_dtype = master_dtype
         self.masters: list[Master] = []
         for shard in shards:
             for piece in shard.bucket.pieces(shard.lo, shard.hi, key=lambda s: s.group):
@@ -71,7 +72,7 @@ class ShardedOptimizer:
                     continue
                 data = shard.param[piece.start - shard.lo:piece.end - shard.lo]
                 if not share_master:
-                    data = data.detach().float().clone()
+                    data = data.detach().to(master_dtype, copy=True)
                 self.masters.append(Master(shard, piece, torch.nn.Parameter(data)))
         self.excluded_from_norm = [  # (shard, piece) of TP duplicates, counted on TP rank 0 only
             (shard, piece) for shard in shards
@@ -84,17 +85,19 @@ class ShardedOptimizer:
         self.skipped_steps = 0
 
     def global_grad_sumsq(self) -> tuple[float, bool]:
-        """(sum of squares of the true, unscaled-by-clip gradient, any non-finite value anywhere)."""
+        """(sum of squares of the true, unscaled-by-clip gradient, any non-finite value anywhere),
+        summed in fp32, or in the gradients' own dtype when that is wider (fp64)."""
         device = self.shards[0].grad.device if self.shards else torch.device("cpu")
-        counted = torch.zeros((), dtype=torch.float32, device=device)
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        dtype = torch.promote_types(self.shards[0].grad.dtype, torch.float32) if self.shards else torch.float32
+        counted = torch.zeros((), dtype=dtype, device=device)
+        total = torch.zeros((), dtype=dtype, device=device)
         for shard in self.shards:
-            sq = torch.linalg.vector_norm(shard.grad, dtype=torch.float32).square()
+            sq = torch.linalg.vector_norm(shard.grad, dtype=dtype).square()
             counted += sq
             total += sq
         for shard, piece in self.excluded_from_norm:
             g = shard.grad[piece.start - shard.lo:piece.end - shard.lo]
-            counted -= torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            counted -= torch.linalg.vector_norm(g, dtype=dtype).square()
         sums = torch.stack([counted, total])
         if self.grads_replicated and self.dp.size > 1:
             sums /= self.dp.size  # every DP rank holds the same full gradient: count it once
@@ -118,8 +121,8 @@ class ShardedOptimizer:
             coef *= min(1.0, self.clip_grad_norm / (self.grad_norm + 1e-6))
         for m in self.masters:
             g = m.local(m.shard.grad)
-            if g.dtype != torch.float32:
-                g = g.float()
+            if g.dtype != m.tensor.dtype:
+                g = g.to(m.tensor.dtype)
             if coef != 1.0:
                 g.mul_(coef)
             m.tensor.grad = g
@@ -131,10 +134,10 @@ class ShardedOptimizer:
         self.scaler.update(overflow=False)
         return True
 
-    def full_fp32(self, total: int, buckets: list[Bucket], comm: Communicator | None) -> torch.Tensor:
-        """The whole flat buffer in fp32: the masters where they exist, the model-precision
-        shard elsewhere (frozen parameters), all-gathered when sharded."""
-        flat = torch.zeros(total, dtype=torch.float32, device=self.shards[0].param.device if self.shards else None)
+    def full_master(self, total: int, buckets: list[Bucket], comm: Communicator | None) -> torch.Tensor:
+        """The whole flat buffer in the masters' dtype: the masters where they exist, the
+        model-precision shard elsewhere (frozen parameters), all-gathered when sharded."""
+        flat = torch.zeros(total, dtype=self.master_dtype, device=self.shards[0].param.device if self.shards else None)
         for shard in self.shards:
             flat[shard.lo:shard.hi] = shard.param
         for m in self.masters:

@@ -71,7 +71,7 @@ class TinyGPT(nn.Module):
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, averaged over the batch's positions."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)), tokens[:, 1:].reshape(-1))
 
 
 def synthetic_tokens(batch: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
