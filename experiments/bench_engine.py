@@ -10,6 +10,9 @@ table reports the median step time over all timed steps. Gradient buckets are 25
 (6,553,600 elements) everywhere, DDP's default; FSDP2 shards each block and the root, and the
 stage-3 systems partition every parameter (no persistence threshold). Speed is measured here,
 never asserted in tests.
+
+On GPUs each rank trains on its own CUDA device (NCCL; ranks started with `spawn`, since CUDA
+does not survive `fork`); on CPU, ranks are forked processes on gloo.
 """
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ def build_model() -> torch.nn.Module:
     return TinyGPT(MODEL)
 
 
+def rank_device() -> torch.device:
+    """This rank's device: its CUDA device when there is one (launch.py set it), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _engine_step(engine) -> Callable:
     """A training step through an engine with DeepSpeed's API (ours or DeepSpeed's)."""
     def step(tokens):
@@ -73,7 +81,8 @@ def zero_system(stage: int) -> Callable:
 
 def ddp_system(sharded_optimizer: bool) -> Callable:
     def build(model):
-        ddp = DDP(model, bucket_cap_mb=25)
+        device = rank_device()
+        ddp = DDP(model, bucket_cap_mb=25, device_ids=[device.index] if device.type == "cuda" else None)
         if sharded_optimizer:
             return _torch_step(ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR))
         return _torch_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR))
@@ -82,7 +91,7 @@ def ddp_system(sharded_optimizer: bool) -> Callable:
 
 def fsdp2_system() -> Callable:
     def build(model):
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -113,19 +122,28 @@ def systems() -> dict[str, Callable]:
     return found
 
 
-def _time_steps(build: Callable, warmup: int, steps: int) -> list[float]:
-    """Runs on every rank; returns rank 0's step times in seconds."""
-    step = build(build_model())
+def _time_steps(name: str, warmup: int, steps: int) -> list[float]:
+    """Runs on every rank (the system by name: spawned ranks cannot receive closures); returns
+    rank 0's step times in seconds."""
+    device = rank_device()
+    step = systems()[name](build_model().to(device))
     rank = dist.get_rank()
     times = []
     for i in range(warmup + steps):
-        tokens = synthetic_tokens(MICRO_BATCH, MODEL.seq_len, MODEL.vocab_size, seed=1000 * rank + i)
+        tokens = synthetic_tokens(MICRO_BATCH, MODEL.seq_len, MODEL.vocab_size, seed=1000 * rank + i).to(device)
+        _sync(device)
         dist.barrier()
         start = time.perf_counter()
         step(tokens)
+        _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run(names: list[str], world: int, warmup: int, steps: int, repeats: int) -> dict[str, list[float]]:
@@ -133,12 +151,13 @@ def run(names: list[str], world: int, warmup: int, steps: int, repeats: int) -> 
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"error: unknown system(s) {unknown}; available: {sorted(table)}")
-    if any(n.startswith("deepspeed") for n in names):
+    start_method = "spawn" if torch.cuda.is_available() else "fork"  # CUDA does not survive fork
+    if any(n.startswith("deepspeed") for n in names) and start_method == "fork":
         import deepspeed  # noqa: F401  (imported once here so forked ranks inherit it)
     times: dict[str, list[float]] = {n: [] for n in names}
     for repeat in range(repeats):
         for name in names:
-            times[name] += spawn(_time_steps, world, table[name], warmup, steps, timeout=1800)[0]
+            times[name] += spawn(_time_steps, world, name, warmup, steps, start_method=start_method, timeout=1800)[0]
             print(f"  repeat {repeat + 1}/{repeats} {name:16s} median {1e3 * statistics.median(times[name]):8.1f} ms",
                   file=sys.stderr, flush=True)
     return times
@@ -169,7 +188,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the raw step times here")
     args = parser.parse_args()
     params = sum(p.numel() for p in build_model().parameters())
-    print(f"model: {params / 1e6:.1f}M parameters, world {args.world}, micro-batch {MICRO_BATCH}, fp32, "
+    where = f"{torch.cuda.get_device_name()} (NCCL)" if torch.cuda.is_available() else "CPU (gloo)"
+    print(f"model: {params / 1e6:.1f}M parameters, world {args.world} on {where}, micro-batch {MICRO_BATCH}, fp32, "
           f"torch {torch.__version__}, {args.repeats} x {args.steps} timed steps per system")
     times = run(args.systems.split(","), args.world, args.warmup, args.steps, args.repeats)
     print(report(times))
