@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test run bench compare clean
+.PHONY: setup test run bench gpu-check compare clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench_engine
+
+# The CUDA path end to end on one GPU (at most 5 minutes); without a GPU, one line and exit 0.
+gpu-check: $(STAMP)
+	$(BIN)/python experiments/gpu_check.py
 
 # Optional: DeepSpeed as a comparison peer for the benchmarks and tests.
 compare: $(STAMP)

@@ -5,6 +5,7 @@
     loss = loss_fn(engine(inputs), targets)
     engine.backward(loss)   # divides by grad_accum_steps itself, like DeepSpeed
     engine.step()           # call after every micro-batch; True when an update was applied
+    engine.close()          # or `with zero_impl.initialize(...) as engine:`; see close()
 
 Stages 0-2 keep full parameters in a flat buffer (flat_params.py) and differ only in what the
 gradient reducer (grad_reducer.py) keeps and sends; the partitioned optimizer (optimizer.py)
@@ -74,6 +75,7 @@ class ZeroEngine(nn.Module):
 
         self.micro_steps = 0
         self.steps = 0
+        self.closed = False
         self._boundary_traffic = [self.ledger.snapshot(), self.ledger.snapshot()]
 
     @property
@@ -83,6 +85,7 @@ class ZeroEngine(nn.Module):
 
     # -- training loop ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
         if self.config.mixed_precision:
             args, kwargs = _cast_floats((args, kwargs), self.config.param_dtype)
             return _cast_floats(self.module(*args, **kwargs), torch.float32)
@@ -90,6 +93,7 @@ class ZeroEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` / grad_accum_steps (times the fp16 loss scale) and reduce gradients."""
+        self._check_open()
         accum = self.config.grad_accum_steps
         boundary = (self.micro_steps + 1) % accum == 0
         self.grads.begin_backward(reduce=boundary or self.config.stage >= 2,
@@ -112,6 +116,7 @@ class ZeroEngine(nn.Module):
         Returns True when an update was applied, False on accumulation micro-steps and on
         fp16 overflow (the step is then skipped on every rank and the loss scale lowered).
         """
+        self._check_open()
         self.micro_steps += 1
         if self.micro_steps % self.config.grad_accum_steps:
             return False
@@ -122,6 +127,37 @@ class ZeroEngine(nn.Module):
         self._boundary_traffic = [self._boundary_traffic[1], self.ledger.snapshot()]
         return applied
 
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self, gather: bool = True) -> None:
+        """Give back everything the engine holds; afterwards forward, backward and step raise.
+
+        Removes every hook the engine put on the model and drops its buffers, shards, masters
+        and optimizer states (an LR scheduler over `engine.optimizer` keeps that optimizer's
+        states until it goes too). The model is left usable on its own, in model precision:
+        each parameter gets its own storage holding its current value. Stages 0-2 copy it out
+        of the flat buffer; stage 3 all-gathers each unit once, so close() must then be called
+        on every rank (gather=False skips the collectives and leaves stage 3's parameters empty).
+        Deleting an engine without close() frees the same memory (its hooks hold it only
+        weakly and then do nothing), but stage 3's parameters are then left empty.
+        """
+        if self.closed:
+            return
+        self.grads.close()
+        self.params.close(gather)
+        self.params = self.grads = self.sharded_optimizer = None
+        self.slots, self.closed = [], True
+
+    def __enter__(self) -> ZeroEngine:
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        # After an error, this rank may be alone in getting here: stage 3 must not gather.
+        self.close(gather=exc_type is None)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this ZeroEngine is closed; build a new one with zero_impl.initialize()")
+
     # -- inspection -------------------------------------------------------------------------
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -130,6 +166,7 @@ class ZeroEngine(nn.Module):
         Trainable parameters come from the fp32 masters; the all-gather this needs is counted
         under the purpose "export", outside the per-step figures.
         """
+        self._check_open()
         flat = self.sharded_optimizer.full_fp32(self.params.numel, self.params.buckets,
                                                 self.dp if self.params.sharded else None)
         slot_of = {id(s.param): s for s in self.slots}
@@ -141,6 +178,7 @@ class ZeroEngine(nn.Module):
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes on this rank, measured from live storages, by kind."""
+        self._check_open()
         measured = {
             "params": storage_bytes([*self.module.parameters(), *self.params.param_tensors()]),
             "grads": self.grads.grad_bytes(),
@@ -162,6 +200,7 @@ class ZeroEngine(nn.Module):
 
     def stats(self) -> dict[str, Any]:
         """Communication by collective, model-state memory by kind, loss scale, norm, skipped steps."""
+        self._check_open()
         previous, last = self._boundary_traffic
         return {
             "stage": self.config.stage,

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .comm import Communicator
+from .hooks import WeakHook
 from .layout import Bucket, Slot
 
 MAX_INFLIGHT_STAGING = 2  # stages 2-3: staging buffers of launched but unfinished reduce-scatters
@@ -54,8 +55,14 @@ class BucketedGradReducer:
         self.reducing = False
         self.first_micro_step = True
         self.peak_buffer_bytes = 0
-        for s in slots:
-            s.param.register_post_accumulate_grad_hook(self._on_grad)
+        # Weak: the model outlives this reducer, whose buffers its hooks must not keep alive.
+        self.handles = [s.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad)) for s in slots]
+
+    def close(self) -> None:
+        """Remove the hooks from the parameters: a later backward of the model is plain torch."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
         return (bucket.start, bucket.end) if self.stage == 0 else bucket.shard_range(self.comm.rank)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from .comm import Communicator
 from .config import ZeroConfig
+from .hooks import WeakHook
 from .layout import Bucket, Slot, pack_buckets
 
 
@@ -95,9 +95,11 @@ class Stage3Params:
         self.peak_live_units = 0
         self.peak_gathered_bytes = 0
         self._fp32_shards = [self._initial_shard(u, model, param_init_fn) for u in self.units]
+        self.handles = []  # hooks hold a unit's index and this object weakly (hooks.py)
         for unit in scheduled:
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            index = self.units.index(unit)
+            self.handles += [unit.module.register_forward_pre_hook(WeakHook(self._pre_forward, index)),
+                             unit.module.register_forward_hook(WeakHook(self._post_forward, index))]
 
     # -- construction -----------------------------------------------------------------------
     def _build_units(self, model: nn.Module, slots: list[Slot], config: ZeroConfig) -> list[Unit]:
@@ -211,22 +213,25 @@ class Stage3Params:
             budget -= unit.bucket.numel
 
     # -- hooks ------------------------------------------------------------------------------
-    def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args) -> None:
+        unit = self.units[index]
         self._ensure(unit)
         if not self.in_backward:  # in backward this is activation recomputation
             self._prefetch(self.forward_order, unit)
 
-    def _post_forward(self, unit: Unit, module: nn.Module, args, output):
+    def _post_forward(self, index: int, module: nn.Module, args, output):
+        unit = self.units[index]
         if self.in_backward:  # recomputation: the unit's backward is about to run
             return output
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(partial(self._pre_backward, unit))
+                    t.register_hook(WeakHook(self._pre_backward, index))
         self.release(unit)
         return output
 
-    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+    def _pre_backward(self, index: int, grad: torch.Tensor) -> None:
+        unit = self.units[index]
         if unit.backward_started:
             return
         unit.backward_started = True
@@ -257,6 +262,18 @@ class Stage3Params:
             unit = self.units[-1]
             unit.gathered = False
             self._gather(unit, async_op=False)
+
+    def close(self, gather: bool = True) -> None:
+        """Remove the hooks; with `gather`, give each parameter its own storage holding its full
+        value, all-gathering unit after unit (collectives: every rank must call it)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        for unit in self.units if gather else []:
+            self._ensure(unit)
+            for s in unit.slots:
+                s.param.data = s.param.data.clone()
+            self.release(unit)
 
     # -- accounting -------------------------------------------------------------------------
     def gathered_bytes(self) -> int:
