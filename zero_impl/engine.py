@@ -51,7 +51,8 @@ class ZeroEngine(nn.Module):
                 raise ValueError("a model on the meta device needs stage 3, which builds it unit by unit")
             self.params = FlatParamBuffer(slots, bucket_size=config.reduce_bucket_size,
                                           allgather_bucket_size=config.allgather_bucket_size,
-                                          sharded=config.stage > 0, comm=self.dp, overlap=config.overlap_comm)
+                                          sharded=config.stage > 0, comm=self.dp, overlap=config.overlap_comm,
+                                          dtype=config.master_dtype)
         self.slots = slots  # stage 3 may have swapped meta parameters for real ones: read them now
         trainable = [s for s in slots if s.param.requires_grad]
         self.psi = sum(s.numel for s in trainable)
@@ -67,7 +68,8 @@ class ZeroEngine(nn.Module):
         self.sharded_optimizer = ShardedOptimizer(
             shards, group_options, optimizer,
             clip_grad_norm=config.clip_grad_norm, scaler=self.scaler, dp=self.dp, mp=self.mp,
-            grads_replicated=config.stage == 0, share_master=not config.mixed_precision)
+            grads_replicated=config.stage == 0, share_master=not config.mixed_precision,
+            master_dtype=config.master_dtype)
         self.params.bind(dtype)
         for shard in shards:
             shard.param = self.params.shard_view(shard.bucket)
@@ -161,19 +163,20 @@ class ZeroEngine(nn.Module):
     # -- inspection -------------------------------------------------------------------------
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """{name: full fp32 tensor} keyed like module.named_parameters(), identical on every rank.
+        """{name: full tensor in the masters' dtype (fp32; fp64 with precision "fp64")} keyed like
+        module.named_parameters(), identical on every rank.
 
-        Trainable parameters come from the fp32 masters; the all-gather this needs is counted
+        Trainable parameters come from the masters; the all-gather this needs is counted
         under the purpose "export", outside the per-step figures.
         """
         self._check_open()
-        flat = self.sharded_optimizer.full_fp32(self.params.numel, self.params.buckets,
+        flat = self.sharded_optimizer.full_master(self.params.numel, self.params.buckets,
                                                 self.dp if self.params.sharded else None)
         slot_of = {id(s.param): s for s in self.slots}
         out = {}
         for name, p in self.module.named_parameters():
             s = slot_of.get(id(p))
-            out[name] = flat[s.start:s.end].view(p.shape).clone() if s else p.detach().float().clone()
+            out[name] = flat[s.start:s.end].view(p.shape).clone() if s else p.detach().to(flat.dtype, copy=True)
         return out
 
     def memory(self) -> dict[str, int]:

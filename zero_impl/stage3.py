@@ -132,7 +132,7 @@ class Stage3Params:
         """This rank's fp32 slice of the unit, from the current values or, for parameters on
         the meta device, from `init` run on this unit alone (the whole model never exists)."""
         b = unit.bucket
-        full = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+        full = torch.zeros(b.numel, dtype=self.config.master_dtype, device=self.device)
         on_meta = [s for s in unit.slots if s.param.is_meta]
         if on_meta:
             for s in on_meta:  # a meta tensor cannot take real .data: swap in a real Parameter
