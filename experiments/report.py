@@ -19,11 +19,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import hydra
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
 from experiments.reports import figures, tables
+from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError
 from experiments.records import load_records
@@ -34,33 +34,6 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
     return {"table1": t1, "table1_wide": tables.table1_wide(t1), "table2": tables.table2(records),
             "throughput": tables.throughput_table(records), "memory": tables.memory_table(records),
             "communication": tables.comm_table(records)}
-
-
-SIGNIFICANT = 6  # digits of a table cell (.md, .tex); the .csv keeps every digit
-
-
-def format_number(value, significant: int | None = SIGNIFICANT) -> str:
-    """A cell as the paper prints numbers: positional, never scientific (16000, not 1.6e+04),
-    integers whole, other floats to `significant` digits with trailing zeros dropped (None:
-    every digit of the float's shortest repr). None and NaN are "-"."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, (bool, np.bool_)):
-        return str(bool(value))
-    if isinstance(value, (int, np.integer)):
-        return str(int(value))
-    if not isinstance(value, (float, np.floating)):
-        return str(value)
-    v = float(value)
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    if v.is_integer() and abs(v) < 2 ** 53:
-        return str(int(v))
-    if significant is None:
-        return np.format_float_positional(v, trim="-")
-    decimals = max(0, significant - 1 - math.floor(math.log10(abs(v))))
-    text = f"{v:.{decimals}f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def to_markdown(df: pd.DataFrame) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from experiments.analysis.memory import max_params, model_state_bytes
@@ -16,6 +17,33 @@ from experiments.records import REPO
 PAPER_DIR = REPO / "results" / "paper"
 STAGE_NAMES = {0: "baseline DP", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
 PAPER_STAGES = {"Pos": 1, "Pos+g": 2, "Pos+g+p": 3}
+
+
+SIGNIFICANT = 6  # digits of a table cell (.md, .tex); the .csv keeps every digit
+
+
+def format_number(value, significant: int | None = SIGNIFICANT) -> str:
+    """A cell as the paper prints numbers: positional, never scientific (16000, not 1.6e+04),
+    integers whole, other floats to `significant` digits with trailing zeros dropped (None:
+    every digit of the float's shortest repr). None and NaN are "-"."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if not isinstance(value, (float, np.floating)):
+        return str(value)
+    v = float(value)
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v.is_integer() and abs(v) < 2 ** 53:
+        return str(int(v))
+    if significant is None:
+        return np.format_float_positional(v, trim="-")
+    decimals = max(0, significant - 1 - math.floor(math.log10(abs(v))))
+    text = f"{v:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def printed_decimals(printed: str) -> int:
@@ -47,7 +75,7 @@ def table1(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
 
 def table1_wide(df: pd.DataFrame) -> pd.DataFrame:
     """The paper's layout: one row per Nd, a column per (model, stage), 'ours (paper)'."""
-    df = df.assign(cell=[f"{o:.6g} ({p})" for o, p in zip(df["ours_gb"], df["paper_gb"])])
+    df = df.assign(cell=[f"{format_number(o)} ({p})" for o, p in zip(df["ours_gb"], df["paper_gb"])])
     wide = df.pivot(index="nd", columns=["model", "stage"], values="cell")
     wide.columns = [f"{m} {s}" for m, s in wide.columns]
     return wide.reset_index()
