@@ -146,7 +146,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(names: list[str], world: int, warmup: int, steps: int, repeats: int) -> dict[str, list[float]]:
+def run(names: list[str], world: int, warmup: int, steps: int, repeats: int,
+        timeout: float = 1800) -> dict[str, list[float]]:
     table = systems()
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -157,7 +158,8 @@ def run(names: list[str], world: int, warmup: int, steps: int, repeats: int) -> 
     times: dict[str, list[float]] = {n: [] for n in names}
     for repeat in range(repeats):
         for name in names:
-            times[name] += spawn(_time_steps, world, name, warmup, steps, start_method=start_method, timeout=1800)[0]
+            times[name] += spawn(_time_steps, world, name, warmup, steps, start_method=start_method,
+                                 timeout=timeout)[0]
             print(f"  repeat {repeat + 1}/{repeats} {name:16s} median {1e3 * statistics.median(times[name]):8.1f} ms",
                   file=sys.stderr, flush=True)
     return times

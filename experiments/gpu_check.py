@@ -216,7 +216,7 @@ def main() -> int:
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:
-        times = bench_engine.run(systems, world=1, warmup=2, steps=5, repeats=1)
+        times = bench_engine.run(systems, world=1, warmup=2, steps=5, repeats=1, timeout=left(60))
         medians = ", ".join(f"{n} {1e3 * sorted(t)[len(t) // 2]:.1f}" for n, t in times.items())
         rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", f"median ms/step: {medians}", "runs", "PASS"))
     except (RankFailed, SystemExit) as e:
