@@ -157,6 +157,14 @@ def big_row(outcome: dict, point, precision: str) -> tuple[str, str, str, str]:
     return name, measured, expected, verdict(all(map(math.isfinite, r["losses"])), peak >= predicted)
 
 
+def safe_row(name: str, make_row, *args) -> tuple[str, str, str, str]:
+    """make_row(*args), or a FAIL row saying why it could not be built."""
+    try:
+        return make_row(*args)
+    except Exception:
+        return name, _error_line(traceback.format_exc()), "a row", "FAIL"
+
+
 def _error_line(error: str) -> str:
     return error.strip().splitlines()[-1][:200].replace("|", "/")
 
@@ -185,8 +193,8 @@ def main() -> int:
         failed = {"ok": False, "error": str(e)}
         device = {"backend": "?", "points": [failed] * len(small), "parity": failed}
     where = f"{device['backend']}, world 1"
-    rows += [point_row(f"{STAGE_MODEL} stage {pt.stage} {p} ({where})", outcome, pt, p)
-             for (pt, p), outcome in zip(small, device["points"])]
+    rows += [safe_row(name, point_row, name, outcome, pt, p) for (pt, p), outcome in zip(small, device["points"])
+             for name in [f"{STAGE_MODEL} stage {pt.stage} {p} ({where})"]]
 
     try:
         [cpu] = spawn(_attempt, 1, parity_run, stages, "cpu", backend="gloo", start_method="spawn", timeout=left(90))
@@ -212,7 +220,7 @@ def main() -> int:
         [outcome] = spawn(_attempt, 1, train_rank, big.as_dict(), precision, start_method="spawn", timeout=left(150))
     except RankFailed as e:
         outcome = {"ok": False, "error": str(e)}
-    rows.append(big_row(outcome, big, precision))
+    rows.append(safe_row(f"{big_model} point", big_row, outcome, big, precision))
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:

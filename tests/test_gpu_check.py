@@ -69,3 +69,9 @@ def test_cpu_rehearsal_runs_every_check():
     assert len(rows) == 8 + 4 + 1 + 1 and all(row.endswith("| PASS |") for row in rows)
     assert sum("parity fp32" in row and "update distance 0.00e+00" in row for row in rows) == 4  # CPU against CPU
     assert lines[-1].startswith("14/14 checks pass")
+
+
+def test_a_row_that_cannot_be_built_is_a_failed_row():
+    def broken():
+        raise KeyError("peak_buffers")
+    assert gpu_check.safe_row("1.3B", broken) == ("1.3B", "KeyError: 'peak_buffers'", "a row", "FAIL")
