@@ -12,7 +12,7 @@ from zero_impl.layout import Slot, build_buckets
 
 @pytest.mark.parametrize("key,value,message", [
     ("stage", 5, "ZeroConfig.stage must be one of [0, 1, 2, 3]"),
-    ("precision", "fp8", "ZeroConfig.precision must be one of ['fp32', 'bf16', 'fp16']"),
+    ("precision", "fp8", "ZeroConfig.precision must be one of ['fp32', 'bf16', 'fp16', 'fp64']"),
     ("reduce_dtype", "int8", "ZeroConfig.reduce_dtype must be one of"),
     ("grad_accum_steps", 0, "ZeroConfig.grad_accum_steps must be an integer >= 1, got 0"),
     ("reduce_bucket_size", -3, "ZeroConfig.reduce_bucket_size must be an integer >= 1, got -3"),

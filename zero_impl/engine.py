@@ -52,7 +52,7 @@ class ZeroEngine(nn.Module):
             self.params = FlatParamBuffer(slots, bucket_size=config.reduce_bucket_size,
                                           allgather_bucket_size=config.allgather_bucket_size,
                                           sharded=config.stage > 0, comm=self.dp, overlap=config.overlap_comm,
-                                          dtype=config.master_dtype)
+                                          dtype=dtype, master_dtype=config.master_dtype)
         self.slots = slots  # stage 3 may have swapped meta parameters for real ones: read them now
         trainable = [s for s in slots if s.param.requires_grad]
         self.psi = sum(s.numel for s in trainable)
@@ -61,7 +61,8 @@ class ZeroEngine(nn.Module):
             config.overlap_comm, device,
             on_bucket_complete=self.params.on_gradients_complete if config.stage == 3 else None)
         shards = [OwnedShard(b, *self.params.owned_range(b), param=self.params.shard_view(b),
-                             grad=self.grads.shard_grads[b.index]) for b in self.params.buckets]
+                             grad=self.grads.shard_grads[b.index], initial=self.params.initial_masters(b))
+                  for b in self.params.buckets]
         self.scaler = LossScaler(enabled=config.precision == "fp16", static_scale=config.loss_scale,
                                  initial_scale_power=config.initial_scale_power,
                                  window=config.loss_scale_window, min_scale=config.min_loss_scale)

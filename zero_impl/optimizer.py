@@ -28,6 +28,7 @@ class OwnedShard:
     hi: int
     param: torch.Tensor        # model-precision storage of [lo, hi)
     grad: torch.Tensor | None  # reduced gradient of [lo, hi) (reduce dtype) once backward is done
+    initial: dict[int, torch.Tensor] | None = None  # {piece start: master values} to adopt as masters
 
 
 @dataclass
@@ -71,7 +72,9 @@ class ShardedOptimizer:
                 if piece.key is None:  # frozen: no master, no optimizer state
                     continue
                 data = shard.param[piece.start - shard.lo:piece.end - shard.lo]
-                if not share_master:
+                if shard.initial is not None:  # cut from the model's values for us: adopt it
+                    data = shard.initial[piece.start]
+                elif not share_master:
                     data = data.detach().to(master_dtype, copy=True)
                 self.masters.append(Master(shard, piece, torch.nn.Parameter(data)))
         self.excluded_from_norm = [  # (shard, piece) of TP duplicates, counted on TP rank 0 only

@@ -163,6 +163,10 @@ class Stage3Params:
         unit = self.units[bucket.index]
         return unit.shard if unit.shard is not None else self._fp32_shards[bucket.index]
 
+    def initial_masters(self, bucket: Bucket) -> None:
+        """Stage 3 keeps fp32 shards until `bind`: the optimizer copies its masters from them."""
+        return None
+
     def bind(self, dtype: torch.dtype) -> None:
         """Keep only the model-precision shards; parameters become views of released buffers."""
         for unit, fp32 in zip(self.units, self._fp32_shards):
