@@ -48,7 +48,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
     torch.manual_seed(t["seed"])
-    model, init_fn = _build(point, device)
+    model, init_fn = _build(point, device, zero_impl.config.DTYPES[precision])
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
               {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
@@ -93,16 +93,18 @@ def train_rank(point_dict: dict, precision: str) -> dict:
     return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats}
 
 
-def _build(point: Point, device: torch.device):
+def _build(point: Point, device: torch.device, dtype: torch.dtype = torch.float32):
     """The model and stage 3's param_init_fn. Every parameter is drawn from (train.seed, its
     name), whole on every TP rank, which keeps its slice: the meta build materialized unit by
-    unit starts from the same weights as the eager one (megatron_gpt's docstring)."""
+    unit starts from the same weights as the eager one (megatron_gpt's docstring). The eager
+    build is in the training dtype `dtype`, so no full fp32 copy of the model ever exists; the
+    engine then re-points its parameters into its buffers bucket by bucket."""
     recompute, seed = point.train["recompute"], point.train["seed"]
     if point.stage == 3 and parameter_count(point.shape, point.tp) > META_BUILD_PARAMS:
         with torch.device("meta"):
-            model = build_gpt(point.shape, recompute=recompute, seed=seed)
+            model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
         return model, megatron_param_init_fn(model, seed)
-    return build_gpt(point.shape, recompute=recompute, seed=seed).to(device), None
+    return build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype).to(device), None
 
 
 class SavedActivations:

@@ -123,9 +123,13 @@ def initialize_parallel(tp: int, seed: int = 1234) -> tuple[dist.ProcessGroup, d
     return parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
 
 
-def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED) -> GPTModel:
-    """megatron-core GPTModel of `shape` for the current TP degree, fp32, no dropout.
+def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED,
+              dtype: torch.dtype = torch.float32) -> GPTModel:
+    """megatron-core GPTModel of `shape` for the current TP degree, no dropout.
 
+    dtype: megatron's params_dtype, the dtype its linear layers and embeddings are built in;
+    build in the training dtype so the model never exists in fp32 at full size (its LayerNorms
+    stay fp32 and are cast by the engine). Each weight is still drawn in fp32 and rounded.
     recompute: activation recomputation with one checkpoint per layer, as the paper trains.
     seed: the weights' seed; each parameter is drawn from (seed, its name) (module docstring).
     Uses the Transformer Engine layer spec on GPU when it is installed, the local spec otherwise.
@@ -136,7 +140,7 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
     shape.check_tp(tp)
     with warnings.catch_warnings():  # megatron 0.16 warns about a CUDA-graph default it sets itself
         warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
-        config = _transformer_config(shape, tp, recompute)
+        config = _transformer_config(shape, tp, recompute, dtype)
     # Megatron's own draw (in construction order, from the global generator) would be
     # overwritten: build with no-op init methods (its CPU initialization still allocates each
     # weight and marks its TP attributes), then draw every parameter by name.
@@ -161,8 +165,8 @@ def _skip_init(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _transformer_config(shape: GPTShape, tp: int, recompute: bool) -> TransformerConfig:
-    return TransformerConfig(
+def _transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.dtype) -> TransformerConfig:
+    return TransformerConfig(params_dtype=dtype,
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, init_method_std=INIT_STD,
         hidden_dropout=0.0, attention_dropout=0.0,
