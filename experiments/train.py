@@ -157,7 +157,7 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         "status": status, "experiment": point.experiment, "point_id": point.point_id,
         "config": {**point.as_dict(), "precision_resolved": precision, "launcher": launcher},
         "model": {**point.model, "padded_vocab_size": padded_vocab_size(shape.vocab_size, point.tp)},
-        "params": parameter_count(shape, point.tp), "params_per_gpu": 0,
+        "params": parameter_count(shape, point.tp), "params_per_gpu": 0, "padded_params_per_gpu": 0,
         "world_size": point.gpus, "tp": point.tp, "dp": point.dp, "stage": point.stage, "precision": precision,
         "micro_batch": point.micro_batch, "global_batch": point.global_batch,
         "recompute_factor": recompute_factor(recompute), "flops_per_iteration": float(flops),
@@ -173,7 +173,7 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         step = statistics.median(rank0["step_times_s"])
         measured = [r["stats"]["memory"] for r in results]
         record.update(
-            params_per_gpu=stats["psi"], step_times_s=rank0["step_times_s"], step_time_s=step,
+            params_per_gpu=stats["psi"], padded_params_per_gpu=stats["padded_psi"], step_times_s=rank0["step_times_s"], step_time_s=step,
             tflops_per_gpu=flops / (step * point.gpus * 1e12),
             tokens_per_s_per_gpu=point.global_batch * shape.seq_len / (step * point.gpus), losses=rank0["losses"])
         record["memory"] = {

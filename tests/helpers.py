@@ -6,12 +6,14 @@ rank's micro-batches of a step concatenated), clipped with torch.nn.utils.clip_g
 from __future__ import annotations
 
 import gc
+import math
 
 import torch
 import torch.distributed as dist
 
 import zero_impl
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
+from zero_impl.layout import BUCKET_ALIGN, PARAM_ALIGN
 
 # Sizes chosen so that most tensors are not divisible by 3 or 4 (670, 110, 330, ...).
 MODEL = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=2, heads=2)
@@ -142,6 +144,12 @@ def fp64_tolerance(*, steps: int, lr: float, tokens: int, widest_sums: int, adam
 # every layer's MLP width, then the vocabulary.
 FP64_TOL = fp64_tolerance(steps=10, lr=LR, tokens=2 * 4 * MICRO_BATCH * MODEL.seq_len,
                           widest_sums=MODEL.layers * 4 * MODEL.hidden + MODEL.vocab_size)
+
+
+def padding_bound(buckets) -> int:
+    """Most padding elements the layout may add (layout.py): before each parameter, up to
+    PARAM_ALIGN - 1 to align its start; after each bucket, up to lcm(N, BUCKET_ALIGN) - 1."""
+    return sum(len(b.slots) * (PARAM_ALIGN - 1) + math.lcm(b.shard_count, BUCKET_ALIGN) - 1 for b in buckets)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -2,17 +2,23 @@
 
 Parameters are packed back to back into one flat buffer, in reverse registration order (the
 order backward produces their gradients), and cut into buckets of about `bucket_size`
-elements. Each bucket is padded to a multiple of the shard count so that rank r owns the
-equal, contiguous slice [r*S, (r+1)*S) of every bucket (S = bucket size / shard count), the
-layout of megatron-core's `param_and_grad_buffer.py`. Inside a bucket, parameters are sorted
-by optimizer param group, so a rank's slice splits into at most one contiguous piece per group:
-each piece becomes one fp32 master tensor of that group.
+elements. Parameters start at multiples of 64 elements and each bucket is padded to a
+multiple of lcm(shard count, 128), so that rank r owns the equal, contiguous, aligned slice
+[r*S, (r+1)*S) of every bucket (S = bucket size / shard count), the layout of megatron-core's
+`param_and_grad_buffer.py`. Inside a bucket, parameters are sorted by optimizer param group;
+a rank's slice splits into one piece per parameter it touches (the alignment gaps separate
+them, as Megatron's distributed optimizer keeps one main parameter per parameter shard): each
+piece becomes one fp32 master tensor of its group, covering real elements only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+PARAM_ALIGN = 64    # elements: where each parameter may start (Megatron-core's choice)
+BUCKET_ALIGN = 128  # elements: bucket sizes are multiples of lcm(shard count, this)
 
 
 @dataclass
@@ -99,19 +105,31 @@ def build_buckets(slots: list[Slot], bucket_size: int, shard_count: int) -> list
 
 
 def pack_buckets(groups: list[list[Slot]], shard_count: int) -> list[Bucket]:
-    """One bucket per non-empty list of slots, back to back from offset 0, each padded to a
-    multiple of `shard_count`; inside a bucket, slots are sorted by param group (frozen last)."""
+    """One bucket per non-empty list of slots, back to back from offset 0; inside a bucket,
+    slots are sorted by param group (frozen last).
+
+    Alignment as in Megatron-core's param_and_grad_buffer.py: every parameter starts at a
+    multiple of PARAM_ALIGN elements and every bucket's size is a multiple of
+    lcm(shard_count, BUCKET_ALIGN), so views and collective buffers stay aligned for vectorized
+    kernels and NCCL, whatever the world size (the paper's include 25 and 400); each rank's
+    shard is then a whole number of elements.
+    """
     buckets: list[Bucket] = []
     offset = 0
+    multiple = math.lcm(shard_count, BUCKET_ALIGN)
     for members in (g for g in groups if g):
         # Stable sort: keeps gradient-ready order within a group.
         members = sorted(members, key=lambda s: (s.group is None, s.group or 0))
         bucket = Bucket(index=len(buckets), start=offset, numel=0, shard_count=shard_count, slots=members)
         for slot in members:
+            offset = _round_up(offset, PARAM_ALIGN)
             slot.start, slot.bucket = offset, bucket.index
             offset += slot.numel
-        used = offset - bucket.start
-        bucket.numel = -(-used // shard_count) * shard_count
+        bucket.numel = _round_up(offset - bucket.start, multiple)
         offset = bucket.end
         buckets.append(bucket)
     return buckets
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
