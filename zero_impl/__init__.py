@@ -8,4 +8,12 @@ from . import loss_scaler
 from .config import ZeroConfig
 from .engine import ZeroEngine, initialize
 
-__all__ = ["ZeroConfig", "ZeroEngine", "initialize"]
+__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "checkpoint"]
+
+
+def __getattr__(name: str):
+    """`zero_impl.checkpoint` on first use (imported late so `python -m zero_impl.checkpoint` runs cleanly)."""
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -80,6 +80,8 @@ class ZeroEngine(nn.Module):
         self.steps = 0
         self.closed = False
         self._boundary_traffic = [self.ledger.snapshot(), self.ledger.snapshot()]
+        from . import checkpoint  # imported late: `python -m zero_impl.checkpoint` runs it as a script
+        self._checkpoint_hooks = checkpoint.guard(self)  # the model's own state_dict() must not mislead
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -145,6 +147,8 @@ class ZeroEngine(nn.Module):
         """
         if self.closed:
             return
+        for handle in self._checkpoint_hooks:
+            handle.remove()
         self.grads.close()
         self.params.close(gather)
         self.params = self.grads = self.sharded_optimizer = None
@@ -160,6 +164,33 @@ class ZeroEngine(nn.Module):
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this ZeroEngine is closed; build a new one with zero_impl.initialize()")
+
+    # -- checkpoints (checkpoint.py) --------------------------------------------------------
+    def state_dict(self, *, destination: dict | None = None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Everything needed to resume, keyed for torch.distributed.checkpoint (DCP): the fp32
+        masters as `model.<name>`, the optimizer states, steps, loss scaler and RNG states; each
+        value is this rank's pieces of a full tensor (checkpoint.py). Replaces nn.Module's, which
+        would list the engine's model-precision views (and, at stage 3, empty shards).
+
+            dcp.save(engine.state_dict(), checkpoint_id=path)   # or zero_impl.checkpoint.save(engine, path)
+        """
+        self._check_open()
+        from . import checkpoint
+        sd = checkpoint.state_dict(self)
+        if destination is None and not prefix:
+            return sd
+        destination = {} if destination is None else destination
+        destination.update({prefix + k: v for k, v in sd.items()})
+        return destination
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> None:
+        """Resume from `state_dict`: engine.state_dict() filled by dcp.load, e.g.
+        `sd = engine.state_dict(); dcp.load(sd, checkpoint_id=path); engine.load_state_dict(sd)`.
+        zero_impl.checkpoint.load(engine, path) does this, also before the first step and at
+        another world size. Call on every rank (stages 1-3 all-gather the loaded shards)."""
+        self._check_open()
+        from . import checkpoint
+        checkpoint.load_state_dict(self, state_dict)
 
     # -- inspection -------------------------------------------------------------------------
     @torch.no_grad()
