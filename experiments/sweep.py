@@ -115,21 +115,24 @@ def summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
             "batch": point.global_batch, "tflops_per_gpu": record.get("tflops_per_gpu"),
             "mem_pred_GB": memory.get("predicted", {}).get("total", 0) / gb,
             "mem_meas_GB": memory.get("measured_max_over_ranks", {}).get("total", 0) / gb if record.get("status") == "ok" else None,
+            "peak_GB": memory.get("measured_max_over_ranks", {}).get("peak_bytes", 0) / gb if record.get("status") == "ok" else None,
             "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
             "status": record.get("status", "missing"), "point_id": point.point_id})
     return rows
 
 
 def print_summary(rows: list[dict]) -> None:
-    print("| model | params (B) | GPUs | TP | DP | stage | batch | TFLOPs/GPU | model states/GPU pred | meas | comm/step | theory | status |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| model | params (B) | GPUs | TP | DP | stage | batch | TFLOPs/GPU | model states/GPU pred | meas "
+          "| peak/GPU | comm/step | theory | status |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         tflops = f"{r['tflops_per_gpu']:.4f}" if r["tflops_per_gpu"] is not None else "-"
         meas = _bytes(r["mem_meas_GB"] * 1e9) if r["mem_meas_GB"] is not None else "-"
+        peak = _bytes(r["peak_GB"] * 1e9) if r["peak_GB"] else "-"
         comm = f"{r['comm_elements']:,}" if r["comm_elements"] is not None else "-"
         theory = f"{r['comm_theory']:,}" if r["comm_theory"] is not None else "-"
         print(f"| {r['model']} | {r['params_B']:.4f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['batch']} "
-              f"| {tflops} | {_bytes(r['mem_pred_GB'] * 1e9)} | {meas} | {comm} | {theory} | {r['status']} |")
+              f"| {tflops} | {_bytes(r['mem_pred_GB'] * 1e9)} | {meas} | {peak} | {comm} | {theory} | {r['status']} |")
 
 
 def _bytes(n: float) -> str:

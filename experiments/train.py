@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -24,6 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import hydra
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 from omegaconf import DictConfig, OmegaConf
 
 import zero_impl
@@ -48,6 +50,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
     torch.manual_seed(t["seed"])
+    peak = PeakMemory(device)  # from the build through the first optimizer step
     model, init_fn = _build(point, device, zero_impl.config.DTYPES[precision])
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
@@ -78,6 +81,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
             engine.backward(loss)
             engine.step()
             total += loss.detach() / t["grad_accum_steps"]
+        peak.stop()
         _sync(device)
         if step >= t["warmup_steps"]:
             times.append(time.perf_counter() - start)
@@ -86,6 +90,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
     stats = engine.stats()
     memory = stats["memory"]
     memory["activations_saved"] = activation_bytes
+    memory["peak_bytes"] = peak.bytes
     memory["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if device.type == "cuda":
         memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
@@ -105,6 +110,35 @@ def _build(point: Point, device: torch.device, dtype: torch.dtype = torch.float3
             model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
         return model, megatron_param_init_fn(model, seed)
     return build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype).to(device), None
+
+
+class PeakMemory:
+    """Peak bytes of live tensors on this rank: the CUDA allocator's statistics on a GPU (the
+    whole run); on CPU torch's MemTracker, which sees every allocation and free, from creation
+    until `stop()` (the build, `initialize` and the first optimizer step, where the steady state
+    is reached: Adam's states exist from then on)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.peak = device.type == "cuda", 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            self.tracker = None
+        else:
+            # MemTracker warns about the None entries of optimizer states it walks
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable", category=UserWarning)
+            self.tracker = MemTracker()
+            self.tracker.__enter__()
+
+    def stop(self) -> None:
+        if self.tracker is not None:
+            self.peak = sum(kinds["Total"] for kinds in self.tracker.get_tracker_snapshot("peak").values())
+            self.tracker.__exit__(None, None, None)
+            self.tracker = None
+
+    @property
+    def bytes(self) -> int:
+        self.stop()
+        return torch.cuda.max_memory_allocated() if self.cuda else self.peak
 
 
 class SavedActivations:

@@ -167,7 +167,9 @@ def throughput_table(records: list[dict], paper: pd.DataFrame | None = None) -> 
 
 
 def memory_table(records: list[dict]) -> pd.DataFrame:
-    """Model-state memory per rank, predicted (Table 1 with the run's dtypes) and measured, by kind."""
+    """Memory per rank: model states predicted (Table 1 with the run's dtypes) and held (the
+    engine's persistent storages, by kind), beside the measured peak of all live tensors
+    (`meas_peak`: buffers, activations and temporaries included; what a device must fit)."""
     rows = []
     for r in records:
         row = {"experiment": r["experiment"], "model": r["model"]["name"], "stage": STAGE_NAMES[r["stage"]],
@@ -175,8 +177,9 @@ def memory_table(records: list[dict]) -> pd.DataFrame:
         pred = r["memory"].get("predicted", {})
         row.update({f"pred_{k}": pred.get(k) for k in ("params", "grads", "optimizer_states", "total")})
         meas = r["memory"].get("measured_max_over_ranks") if r["status"] == "ok" else None
-        keys = ("params", "grads", "optimizer_states", "peak_buffers", "activations_saved", "total")
+        keys = ("params", "grads", "optimizer_states", "peak_buffers", "activations_saved", "total", "peak_bytes")
         row.update({f"meas_{k}": meas.get(k) if meas else None for k in keys})
+        row["meas_peak"] = row.pop("meas_peak_bytes")
         row["meas_over_pred"] = meas["total"] / pred["total"] if meas and pred.get("total") else None
         rows.append(row)
     return pd.DataFrame(rows)
