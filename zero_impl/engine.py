@@ -234,9 +234,11 @@ class ZeroEngine(nn.Module):
                 "optimizer_states": master + 4 * self.sharded_optimizer.state_elements_per_param()}
 
     def stats(self) -> dict[str, Any]:
-        """Communication by collective, model-state memory by kind, loss scale, norm, skipped steps."""
+        """Communication by collective, model-state memory by kind, loss scale, norm, skipped steps;
+        stage 3: "stage3", its gathers prefetched versus on demand (Stage3Params.schedule_stats)."""
         self._check_open()
         previous, last = self._boundary_traffic
+        stage3 = {"stage3": self.params.schedule_stats()} if self.config.stage == 3 else {}
         return {
             "stage": self.config.stage,
             "dp_size": self.dp.size,
@@ -252,6 +254,7 @@ class ZeroEngine(nn.Module):
                      "total": CommLedger.summarize(self.ledger.snapshot())},
             "memory": self.memory(),
             "bytes_per_param": self.bytes_per_param(),
+            **stage3,
         }
 
 

@@ -12,7 +12,8 @@ in a different order on different ranks.
 - stage 2: no full-size buffer at all: a bucket-sized staging buffer lives only from the
   bucket's first gradient until its reduce-scatter into the persistent 1/N gradient shard
   completes, on every micro-step;
-- stage 3: as stage 2, with one bucket per unit (stage3.py).
+- stage 3: as stage 2, with one bucket per unit's trainable parameters and one, never
+  reduced, per unit's frozen ones (stage3.py).
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ class BucketedGradReducer:
             self.shard_grads = [self.full[slice(*self._owned(b))] for b in buckets]
         else:
             self.full = None
-            self.shard_grads = [torch.zeros(b.shard_numel, dtype=dtype, device=device) for b in buckets]
+            # A bucket of frozen parameters only (stage 3) is never reduced: no gradient shard.
+            self.shard_grads = [torch.zeros(b.shard_numel if any(s.param.requires_grad for s in b.slots) else 0,
+                                            dtype=dtype, device=device) for b in buckets]
         self.staging: dict[int, torch.Tensor] = {}
         self.inflight: deque = deque()
         self.pending = [0] * len(buckets)

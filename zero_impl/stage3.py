@@ -1,26 +1,28 @@
 """Stage 3 (Pos+g+p): parameters live as 1/N shards, gathered one unit at a time.
 
-The model is cut into units: by default each block of the first ModuleList (the transformer
-layers), plus a root unit for every other parameter (embeddings, final norm, and any parameter
-shared by two units). Each unit is one bucket of the flat layout: rank r keeps the slice
-[r·S, (r+1)·S) of it in model precision, and the unit's parameters are views into a full-size
-buffer whose storage exists only while the unit is gathered (the storage is resized to zero
-when released, so views saved by autograd come back to life when it is gathered again).
+The model is cut into units (stage3_units.py): by default each transformer layer, plus a root
+unit for every other parameter. Rank r keeps the slice [r·S, (r+1)·S) of each of a unit's
+buckets in model precision; the unit's parameters are views into a full-size buffer whose
+storage exists only while the unit is gathered (the storage is resized to zero when released,
+so views saved by autograd come back to life when it is gathered again). A unit's frozen
+parameters have a bucket of their own, gathered like the other but never reduce-scattered:
+they cost no gradient traffic and no gradient memory, and have no masters.
 
 Schedule, as in PyTorch FSDP2 (`torch/distributed/fsdp/_fully_shard/`):
-- forward: before a unit runs, wait for (or issue) its all-gather and prefetch the next unit's;
-  after it runs, release it and hook its outputs, so that their first gradient
-- backward: gathers the unit again (prefetching the unit before it in forward order);
-- when every trainable parameter of the unit has its gradient, the reducer reduce-scatters the
-  unit's gradient into this rank's shard (grad_reducer.py) and the unit is released.
+- forward: before a unit runs, wait for (or issue) its all-gather and prefetch the next units'
+  (in forward order); after it runs, release it and hook its outputs;
+- backward begins for a unit at the first gradient reaching its outputs or, under activation
+  recomputation, when its forward runs again inside backward: it is gathered again and the
+  units before it (the next in backward order) are prefetched;
+- backward is over for a unit when every trainable parameter has its gradient (the reducer
+  then reduce-scatters the unit's gradient into this rank's shard, grad_reducer.py) and the
+  gradients of its inputs are computed (stage3_signals.py): the unit is released.
 At most `stage3_max_live_units` units are gathered at once (the root counts, since it encloses
 the whole forward); parameters of at most `stage3_param_persistence_threshold` elements form one
 persistent unit that stays gathered and is all-gathered once after each step.
 """
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,46 +31,9 @@ from torch import nn
 from .comm import Communicator
 from .config import ZeroConfig
 from .hooks import WeakHook
-from .layout import Bucket, Slot, pack_buckets
-
-
-@dataclass
-class Unit:
-    """Parameters gathered and released together."""
-
-    name: str
-    module: nn.Module | None   # whose forward hooks drive it (None: the persistent unit)
-    slots: list[Slot]
-    persistent: bool = False
-    bucket: Bucket | None = None
-    shard: torch.Tensor | None = None  # this rank's slice, model precision, always resident
-    flat: torch.Tensor | None = None   # the whole unit; storage allocated only while gathered
-    gathered: bool = False
-    work: object = None                # in-flight all-gather
-    backward_started: bool = False
-
-    @property
-    def has_frozen(self) -> bool:
-        return any(not s.param.requires_grad for s in self.slots)
-
-
-def find_unit_modules(model: nn.Module, class_names: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
-    """Outermost submodules whose class is named in `class_names`, or else the children of the
-    first ModuleList in the model (its transformer layers), in registration order."""
-    if class_names:
-        found: list[tuple[str, nn.Module]] = []
-        for name, m in model.named_modules():
-            inside = any(name.startswith(prefix + ".") for prefix, _ in found)
-            if m is not model and type(m).__name__ in class_names and not inside:
-                found.append((name, m))
-        if not found:
-            raise ValueError(f"ZeroConfig.stage3_unit_classes {list(class_names)}: no such submodule in "
-                             f"{type(model).__name__}")
-        return found
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList):
-            return [(f"{name}.{i}", child) for i, child in enumerate(m)]
-    return []
+from .layout import Bucket, Slot
+from .stage3_signals import tensors, wrap_inputs
+from .stage3_units import Unit, build_units, lay_out
 
 
 class Stage3Params:
@@ -80,63 +45,43 @@ class Stage3Params:
                  device: torch.device, param_init_fn: Callable[[nn.Module], None] | None = None) -> None:
         """`device`: where shards and gathered units live (a meta-device model is built there)."""
         self.comm, self.config, self.device = comm, config, device
-        self.units = [u for u in self._build_units(model, slots, config) if u.slots]  # no parameters: no unit
-        self.buckets = pack_buckets([u.slots for u in self.units], comm.size)
-        for unit, bucket in zip(self.units, self.buckets):
-            unit.bucket = bucket
+        self.units = build_units(model, slots, config)
+        self.buckets = lay_out(self.units, comm.size)
+        self.unit_of_bucket = [0] * len(self.buckets)  # bucket index -> unit index
+        self._shard_offset = [0] * len(self.buckets)   # bucket index -> where its slice starts in the unit's shard
+        for i, unit in enumerate(self.units):
+            for k, b in enumerate(unit.buckets):
+                self.unit_of_bucket[b.index] = i
+                self._shard_offset[b.index] = sum(x.shard_numel for x in unit.buckets[:k])
         self.numel = self.buckets[-1].end if self.buckets else 0
         layers_reversed = [u for u in self.units if u.module is not None and u.module is not model]
         root = [u for u in self.units if u.module is model]
         self.forward_order = root + layers_reversed[::-1]   # root, then layers in order
         self.backward_order = root + layers_reversed        # root, then layers reversed
-        scheduled = root + layers_reversed
+        self.root = root[0] if root else None
         self.in_backward = False
         self.live_units = 0
         self.peak_live_units = 0
         self.peak_gathered_bytes = 0
+        self.passes, self.pass_kind = 0, None  # passes begun (all forwards between two backwards: one)
+        self.gathers = {key: {"prefetched": 0, "on_demand": 0} for key in ("forward", "backward", "total")}
         self._fp32_shards = [self._initial_shard(u, model, param_init_fn) for u in self.units]
         self.handles = []  # hooks hold a unit's index and this object weakly (hooks.py)
-        for unit in scheduled:
+        for unit in root + layers_reversed:
             index = self.units.index(unit)
-            self.handles += [unit.module.register_forward_pre_hook(WeakHook(self._pre_forward, index)),
+            self.handles += [unit.module.register_forward_pre_hook(WeakHook(self._pre_forward, index),
+                                                                   with_kwargs=True),
                              unit.module.register_forward_hook(WeakHook(self._post_forward, index))]
 
     # -- construction -----------------------------------------------------------------------
-    def _build_units(self, model: nn.Module, slots: list[Slot], config: ZeroConfig) -> list[Unit]:
-        """Units in gradient-ready order: layers last to first, root, persistent."""
-        owner: dict[int, set[int]] = {}
-        layers = find_unit_modules(model, config.stage3_unit_classes)
-        if not layers:
-            warnings.warn(f"stage 3 found no ModuleList in {type(model).__name__} and no stage3_unit_classes: the "
-                          "whole model is one unit, gathered for all of forward and backward", stacklevel=3)
-        for index, (_, module) in enumerate(layers):
-            for _, p in module.named_parameters(remove_duplicate=False):
-                owner.setdefault(id(p), set()).add(index)
-        members: list[list[Slot]] = [[] for _ in layers]
-        root, persistent = [], []
-        for slot in slots:  # slots come in reverse registration order already
-            units = owner.get(id(slot.param), set())
-            if slot.numel <= config.stage3_param_persistence_threshold:
-                persistent.append(slot)
-            elif len(units) == 1:
-                members[units.pop()].append(slot)
-            else:  # not in any layer, or shared by two layers: the root holds it all along
-                root.append(slot)
-        units = [Unit(name, module, m) for (name, module), m in zip(layers, members)][::-1]
-        units.append(Unit("<root>", model, root))
-        if persistent:
-            units.append(Unit("<persistent>", None, persistent, persistent=True))
-        return units
-
     def _initial_shard(self, unit: Unit, model: nn.Module, init: Callable | None) -> torch.Tensor:
-        """This rank's fp32 slice of the unit, from the current values or, for parameters on
-        the meta device, from `init` run on this unit alone (the whole model never exists)."""
-        b = unit.bucket
-        full = torch.zeros(b.numel, dtype=self.config.master_dtype, device=self.device)
+        """This rank's fp32 slices of the unit's buckets, from the current values or, for parameters
+        on the meta device, from `init` run on this unit alone (the whole model never exists)."""
+        full = torch.zeros(unit.numel, dtype=self.config.master_dtype, device=self.device)
         on_meta = [s for s in unit.slots if s.param.is_meta]
         if on_meta:
             for s in on_meta:  # a meta tensor cannot take real .data: swap in a real Parameter
-                s.param = _replace_parameter(model, s.param, full[s.start - b.start:s.end - b.start])
+                s.param = _replace_parameter(model, s.param, full[s.start - unit.start:s.end - unit.start])
             owned = {id(s.param) for s in on_meta}
             for m in model.modules():
                 if any(id(p) in owned for p in m.parameters(recurse=False)):
@@ -149,9 +94,9 @@ class Stage3Params:
                                          "reset_parameters(); pass param_init_fn to initialize()")
         for s in unit.slots:
             if not s.param.is_meta:
-                full[s.start - b.start:s.end - b.start].copy_(s.param.detach().reshape(-1))
-        lo, hi = b.shard_range(self.comm.rank)
-        shard = full[lo - b.start:hi - b.start].clone()
+                full[s.start - unit.start:s.end - unit.start].copy_(s.param.detach().reshape(-1))
+        shard = torch.cat([full[lo - unit.start:hi - unit.start]
+                           for lo, hi in (b.shard_range(self.comm.rank) for b in unit.buckets)])
         if on_meta:  # the materialized parameters still view `full`: free it now, not at bind()
             full.untyped_storage().resize_(0)
         return shard
@@ -160,8 +105,9 @@ class Stage3Params:
         return bucket.shard_range(self.comm.rank)
 
     def shard_view(self, bucket: Bucket) -> torch.Tensor:
-        unit = self.units[bucket.index]
-        return unit.shard if unit.shard is not None else self._fp32_shards[bucket.index]
+        i = self.unit_of_bucket[bucket.index]
+        shard = self.units[i].shard if self.units[i].shard is not None else self._fp32_shards[i]
+        return shard[self._shard_offset[bucket.index]:][:bucket.shard_numel]
 
     def initial_masters(self, bucket: Bucket) -> None:
         """Stage 3 keeps fp32 shards until `bind`: the optimizer copies its masters from them."""
@@ -170,11 +116,10 @@ class Stage3Params:
     def bind(self, dtype: torch.dtype) -> None:
         """Keep only the model-precision shards; parameters become views of released buffers."""
         for unit, fp32 in zip(self.units, self._fp32_shards):
-            b = unit.bucket
             unit.shard = fp32.to(dtype)
-            unit.flat = torch.empty(b.numel, dtype=dtype, device=unit.shard.device)
+            unit.flat = torch.empty(unit.numel, dtype=dtype, device=unit.shard.device)
             for s in unit.slots:
-                s.param.data = unit.flat[s.start - b.start:s.end - b.start].view(s.param.shape)
+                s.param.data = unit.flat[s.start - unit.start:s.end - unit.start].view(s.param.shape)
             unit.flat.untyped_storage().resize_(0)
             if unit.persistent:
                 self._gather(unit, async_op=False)
@@ -185,27 +130,40 @@ class Stage3Params:
         if unit.gathered:
             return
         unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-        unit.work = self.comm.all_gather(unit.flat, unit.shard, purpose="params", async_op=async_op)
+        unit.works = [self.comm.all_gather(unit.flat[b.start - unit.start:b.end - unit.start], self.shard_view(b),
+                                           purpose="params", async_op=async_op) for b in unit.buckets]
         unit.gathered = True
         if not unit.persistent:
             self.live_units += 1
             self.peak_live_units = max(self.peak_live_units, self.live_units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
+    def _wait(self, unit: Unit) -> None:
+        for work in unit.works:
+            if work is not None:
+                work.wait()
+        unit.works = []
+
     def _ensure(self, unit: Unit) -> None:
         self._gather(unit, async_op=False)
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
+        self._wait(unit)
+
+    def _use(self, unit: Unit) -> None:
+        """The unit is needed now: count its gather once per pass (prefetched, or issued now and
+        waited on), then make sure it is gathered."""
+        if unit.counted_in != self.passes and not unit.persistent and (unit.prefetched or not unit.gathered):
+            unit.counted_in = self.passes
+            for key in ("backward" if self.in_backward else "forward", "total"):
+                self.gathers[key]["prefetched" if unit.gathered else "on_demand"] += 1
+        unit.prefetched = False
+        self._ensure(unit)
 
     def release(self, unit: Unit) -> None:
         if unit.persistent or not unit.gathered:
             return
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
+        self._wait(unit)
         unit.flat.untyped_storage().resize_(0)
-        unit.gathered = False
+        unit.gathered = unit.prefetched = False
         self.live_units -= 1
 
     def _prefetch(self, order: list[Unit], current: Unit) -> None:
@@ -213,51 +171,82 @@ class Stage3Params:
         for unit in order[order.index(current) + 1:]:
             if budget <= 0 or self.live_units >= self.config.stage3_max_live_units:
                 return
-            self._gather(unit, async_op=self.config.overlap_comm)
-            budget -= unit.bucket.numel
+            if not unit.gathered:
+                self._gather(unit, async_op=self.config.overlap_comm)
+                unit.prefetched = True
+            budget -= unit.numel
 
     # -- hooks ------------------------------------------------------------------------------
-    def _pre_forward(self, index: int, module: nn.Module, args) -> None:
+    def _begin_pass(self, kind: str) -> None:
+        self.passes += 1
+        self.pass_kind = kind
+        self.gathers[kind] = {"prefetched": 0, "on_demand": 0}
+
+    def _pre_forward(self, index: int, module: nn.Module, args, kwargs):
         unit = self.units[index]
-        self._ensure(unit)
-        if not self.in_backward:  # in backward this is activation recomputation
+        if not self.in_backward:
+            if self.pass_kind != "forward":  # the first forward since a backward
+                self._begin_pass("forward")
+            self._use(unit)
             self._prefetch(self.forward_order, unit)
+        else:  # activation recomputation: the unit's backward begins
+            self._begin_unit_backward(unit)
+            if unit.inputs_pending:  # the forward's graph is the one backpropagated (non-reentrant)
+                return None
+        args, kwargs, wrapped = wrap_inputs(args, kwargs, WeakHook(self._post_backward, index))
+        unit.inputs_pending += wrapped
+        return (args, kwargs) if wrapped else None
 
     def _post_forward(self, index: int, module: nn.Module, args, output):
         unit = self.units[index]
         if self.in_backward:  # recomputation: the unit's backward is about to run
             return output
         if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(WeakHook(self._pre_backward, index))
+            for t in tensors(output, requiring_grad=True):
+                t.register_hook(WeakHook(self._pre_backward, index))
         self.release(unit)
         return output
 
     def _pre_backward(self, index: int, grad: torch.Tensor) -> None:
+        self._begin_unit_backward(self.units[index])
+
+    def _begin_unit_backward(self, unit: Unit) -> None:
+        self._use(unit)
+        if not unit.backward_started:
+            unit.backward_started = True
+            self._prefetch(self.backward_order, unit)
+
+    def _post_backward(self, index: int) -> None:
+        """Autograd computed the gradients of the unit's inputs (stage3_signals.py)."""
         unit = self.units[index]
-        if unit.backward_started:
-            return
-        unit.backward_started = True
-        self._ensure(unit)
-        self._prefetch(self.backward_order, unit)
+        unit.inputs_pending = max(0, unit.inputs_pending - 1)
+        self._release_if_done(unit)
+
+    def on_gradients_complete(self, bucket_index: int) -> None:
+        """Every trainable parameter of the unit has its gradient (the reducer's signal)."""
+        unit = self.units[self.unit_of_bucket[bucket_index]]
+        unit.grads_done = True
+        self._release_if_done(unit)
+
+    def _release_if_done(self, unit: Unit) -> None:
+        """Release a unit whose backward is over: its trainable parameters have their gradients
+        and its inputs theirs. The root encloses the whole forward: a frozen parameter of it
+        may be read until the end of backward, so a root with one is released there."""
+        root_with_frozen = unit is self.root and unit.has_frozen
+        if self.in_backward and unit.grads_done and not unit.inputs_pending and not root_with_frozen:
+            self.release(unit)
 
     def begin_backward(self) -> None:
         self.in_backward = True
+        self._begin_pass("backward")
         for unit in self.units:
             unit.backward_started = False
-
-    def on_gradients_complete(self, bucket_index: int) -> None:
-        """Every trainable parameter of the unit has its gradient: its backward is over. A unit
-        with frozen parameters waits for the end of backward: nothing signals when the last
-        node that reads a frozen parameter has run."""
-        unit = self.units[bucket_index]
-        if not unit.has_frozen:
-            self.release(unit)
+            unit.grads_done = not any(s.param.requires_grad for s in unit.slots)
 
     def end_backward(self) -> None:
         for unit in self.units:
             self.release(unit)
+            unit.inputs_pending = 0  # signals of graphs not backpropagated (a forward without backward)
         self.in_backward = False
 
     def after_step(self, applied: bool) -> None:
@@ -266,6 +255,7 @@ class Stage3Params:
             unit = self.units[-1]
             unit.gathered = False
             self._gather(unit, async_op=False)
+            self._wait(unit)
 
     def close(self, gather: bool = True) -> None:
         """Remove the hooks; with `gather`, give each parameter its own storage holding its full
@@ -278,6 +268,13 @@ class Stage3Params:
             for s in unit.slots:
                 s.param.data = s.param.data.clone()
             self.release(unit)
+
+    def schedule_stats(self) -> dict:
+        """Gathers of units prefetched ahead of their use versus issued and waited on when the
+        unit was needed ("on_demand"), each unit counted once per pass: "forward" counts all
+        forwards since the last backward, "backward" the last backward, "total" every pass."""
+        return {**{key: dict(counts) for key, counts in self.gathers.items()},
+                "peak_live_units": self.peak_live_units}
 
     # -- accounting -------------------------------------------------------------------------
     def gathered_bytes(self) -> int:
@@ -298,12 +295,3 @@ def _replace_parameter(model: nn.Module, old: nn.Parameter, storage: torch.Tenso
                 m._parameters[key] = new
     return new
 
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
