@@ -32,10 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 FORMAT = 1
 
@@ -62,17 +58,21 @@ class Chunked(torch.Tensor):
     def __reduce_ex__(self, protocol):  # torch.save(engine.state_dict()) keeps this rank's chunks
         return _rebuild, (tuple(self.shape), self.chunks, self.dtype, self.device)
 
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+    # DCP (imported late: every engine imports this module, and DCP takes a second to import)
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o), t.shape),
                                                       properties=TensorProperties.create_from_tensor(t),
                                                       size=self.shape))
                 for o, t in self.chunks]
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in self.chunks]
 
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
         for o, t in self.chunks:
             if o == tuple(index.offset):
                 return t
@@ -269,7 +269,9 @@ def load_state_dict(engine, sd: dict[str, Any]) -> None:
         if torch.is_tensor(src) and src is not buf:
             buf.copy_(src)
     engine.params.after_step(True)  # every rank's loaded shard to every rank (stages 1-2)
-    engine.steps, engine.micro_steps, so.skipped_steps = meta["steps"], meta["micro_steps"], meta["skipped_steps"]
+    accum = engine.config.grad_accum_steps  # saved at a step boundary: keep it one under another accum
+    engine.steps, so.skipped_steps = meta["steps"], meta["skipped_steps"]
+    engine.micro_steps = meta["micro_steps"] if meta["micro_steps"] % accum == 0 else meta["steps"] * accum
     engine.scaler.scale, engine.scaler.clean_steps = meta["loss_scale"], meta["clean_steps"]
     engine._boundary_traffic = [engine.ledger.snapshot()] * 2  # the load's gathers are not a step's
     if f"rng.{_rank()}" in sd:
@@ -279,6 +281,7 @@ def load_state_dict(engine, sd: dict[str, Any]) -> None:
 def _init_optimizer_state(engine, metadata) -> None:
     """Give each master zero optimizer states of the checkpoint's keys to load into (torch
     optimizers create theirs at the first step, so a fresh engine has none)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     state = engine.optimizer.state
     if any(state.get(m.tensor) for m in engine.sharded_optimizer.masters):
         return
@@ -297,6 +300,7 @@ def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None)
     """Every rank writes its shards to `path` in parallel. They go to `path`.tmp first; rank 0
     renames it to `path` once every rank has finished, so a save that dies half-way never looks
     like a checkpoint. `extra`: any picklable object stored beside (load() returns it)."""
+    import torch.distributed.checkpoint as dcp
     path, first = Path(path), _rank(process_group) == 0
     tmp = path.with_name(path.name + ".tmp")
     sd = engine.state_dict()
@@ -324,6 +328,7 @@ def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None)
 def load(engine, path: str | os.PathLike, process_group=None) -> Any:
     """Load a checkpoint written by save() at any DP degree, stage or bucket size (same model and
     TP degree) into `engine`, on every rank; returns save()'s `extra`."""
+    import torch.distributed.checkpoint as dcp
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata): a save that did not finish?")
@@ -350,8 +355,10 @@ def latest(root: str | os.PathLike) -> Path | None:
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
-    """The model of a checkpoint as the bare model's state_dict() in fp32 (one process, no
-    torch.distributed), loadable with model.load_state_dict(); written with torch.save to `out`."""
+    """The model of a checkpoint as the bare model's state_dict() in fp32 (the masters' dtype:
+    fp64 for precision "fp64"), in one process, no torch.distributed; loadable with
+    model.load_state_dict(); written with torch.save to `out` when given."""
+    import torch.distributed.checkpoint as dcp
     metadata = dcp.FileSystemReader(path).read_metadata()
     sd = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()
           if k.startswith("model.")}
@@ -361,7 +368,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dic
     values = {k[len("model."):]: t for k, t in sd.items()}
     for name, (shape, _) in meta["params"].items():
         values[name] = values[name].reshape(shape)
-    result = {k: values[first].float() if values[first].is_floating_point() else values[first]
+    result = {k: values[first].float() if values[first].dtype in (torch.float16, torch.bfloat16) else values[first]
               for k, first in meta["state_keys"].items()}
     if out is not None:
         torch.save(result, out)

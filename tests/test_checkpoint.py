@@ -1,0 +1,359 @@
+"""Checkpoints (zero_impl/checkpoint.py): resume equals never stopping, bitwise; DCP reshards
+across DP degrees, stages and bucket sizes; bad checkpoints are refused; exports load into the
+bare model; the wrapped model's own state_dict() never silently misleads.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import zero_impl
+from zero_impl import checkpoint
+from helpers import CLIP, FP64_TOL, adamw, global_batch, make_model, max_abs_diff, param_groups
+from experiments.launch import spawn
+from experiments.models.tiny_gpt import TinyGPTConfig, TinyGPT, lm_loss
+
+REPO = Path(__file__).resolve().parents[1]
+ACCUM = 2
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its lazy imports once, before ranks fork
+
+
+def build(model=None, accum=ACCUM, **config) -> zero_impl.ZeroEngine:
+    model = make_model(dtype=torch.float64 if config.get("precision") == "fp64" else torch.float32) \
+        if model is None else model
+    config = {"clip_grad_norm": CLIP, "reduce_bucket_size": 500, **config}
+    return zero_impl.initialize(model, zero_impl.ZeroConfig(grad_accum_steps=accum, **config),
+                                optimizer=adamw, param_groups=param_groups(model))
+
+
+def train(engine, first: int, last: int) -> list[float]:
+    """Steps first..last-1 of the global batch sequence (tests/helpers.py), whatever the world."""
+    world, rank, accum = dist.get_world_size(), dist.get_rank(), engine.config.grad_accum_steps
+    losses = []
+    for step in range(first, last):
+        batch = global_batch(step, world, accum)
+        total = torch.zeros((), dtype=torch.float64)
+        for k in range(accum):
+            loss = lm_loss(engine(batch[k, rank]), batch[k, rank])
+            engine.backward(loss)
+            total += loss.detach() / accum
+            engine.step()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def read_all(path) -> dict:
+    """Every entry of a checkpoint, in one process: tensors whole, objects unpickled."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    sd = {k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+          for k, md in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+    return {k: checkpoint._unpack(v) for k, v in sd.items()}
+
+
+def assert_same_checkpoint(a, b) -> None:
+    """Bitwise the same model, optimizer states and counters, whatever layout wrote them."""
+    a, b = read_all(a), read_all(b)
+    states = sorted(k for k in a if k.startswith(("model.", "optim.", "optim_group.")))
+    assert states == sorted(k for k in b if k.startswith(("model.", "optim.", "optim_group."))) and states
+    for k in states:
+        assert torch.equal(a[k], b[k]), k
+    for k in ("steps", "skipped_steps", "loss_scale", "clean_steps", "optimizer_state"):
+        assert a["engine"][k] == b["engine"][k], k
+
+
+# -- resume equals never stopping ------------------------------------------------------------------
+STAGES = (0, 1, 2, 3)
+
+
+def _straight_and_first_half(path: str, split: int, config: dict) -> dict:
+    out = {}
+    for stage in STAGES:
+        straight = build(stage=stage, **config)
+        losses = train(straight, 0, 10)
+        engine = build(stage=stage, **config)
+        train(engine, 0, split)
+        checkpoint.save(engine, f"{path}/stage{stage}/step_{split}")
+        out[stage] = {"losses": losses, "params": straight.full_parameters(), "stats": straight.stats()}
+    return out
+
+
+def _second_half(path: str, split: int, config: dict) -> dict:
+    out = {}
+    for stage in STAGES:
+        engine = build(stage=stage, **config)
+        if split:
+            train(engine, 0, 3)  # state to be replaced entirely, optimizer states included
+        checkpoint.load(engine, checkpoint.latest(f"{path}/stage{stage}"))
+        losses = train(engine, split, 10)
+        out[stage] = {"losses": losses, "params": engine.full_parameters(), "stats": engine.stats()}
+    return out
+
+
+def assert_resume_is_bitwise(tmp_path, world: int, split: int = 5, **config) -> None:
+    first = spawn(_straight_and_first_half, world, str(tmp_path), split, config, timeout=300)[0]
+    second = spawn(_second_half, world, str(tmp_path), split, config, timeout=300)[0]  # a new process group
+    for stage in STAGES:
+        a, b = first[stage], second[stage]
+        assert a["losses"][split:] == b["losses"], f"stage {stage}"
+        assert max_abs_diff(a["params"], b["params"]) == 0.0, f"stage {stage}"
+        for key in ("steps", "micro_steps", "skipped_steps", "loss_scale"):
+            assert a["stats"][key] == b["stats"][key], (stage, key)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_resume_equals_never_stopping_fp32(tmp_path, world):
+    """10 steps straight = 5 steps, save, a new process group, load, 5 steps: losses and
+    parameters bitwise, stages 0-3 (2 accumulated micro-batches, clipping active)."""
+    assert_resume_is_bitwise(tmp_path, world)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_resume_mixed_precision_keeps_masters_and_loss_scale(tmp_path, precision):
+    """fp32 masters and, for fp16, the dynamic loss scale mid-window (window of 3: the scale
+    doubles at steps the restored clean-step count decides)."""
+    assert_resume_is_bitwise(tmp_path, 2, precision=precision, loss_scale_window=3)
+
+
+def test_resume_from_before_the_first_step(tmp_path):
+    """A checkpoint with no optimizer states (Adam makes them at its first step) resets a
+    trained engine's states, and the run then equals a fresh one."""
+    assert_resume_is_bitwise(tmp_path, 2, split=0)
+
+
+# -- resharding ------------------------------------------------------------------------------------
+SAVED = dict(stage=2, world=4, precision="fp64", reduce_bucket_size=500)
+TARGETS = [  # (stage, world, engine config): another DP degree, stage and bucket size each
+    (1, 2, {"reduce_bucket_size": 300}),
+    (3, 3, {}),
+    (0, 1, {"reduce_bucket_size": 10 ** 9}),
+    (3, 2, {"stage3_param_persistence_threshold": 40}),
+    (2, 3, {"reduce_bucket_size": 10 ** 9}),
+    (1, 4, {"reduce_bucket_size": 1}),
+]
+
+
+def _save_after(path: str, steps: int, config: dict) -> dict:
+    engine = build(**config)
+    train(engine, 0, steps)
+    checkpoint.save(engine, path)
+    return engine.full_parameters()
+
+
+def _load_and_resave(src: str, dst: str, config: dict) -> dict:
+    engine = build(**config)
+    checkpoint.load(engine, src)
+    checkpoint.save(engine, dst)
+    return engine.full_parameters()
+
+
+@pytest.fixture(scope="module")
+def saved_at_dp4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dp4") / "step_5"
+    config = {k: v for k, v in SAVED.items() if k != "world"}
+    params = spawn(_save_after, SAVED["world"], str(path), 5, config, timeout=120)[0]
+    return path, params
+
+
+@pytest.mark.parametrize("stage,world,config", TARGETS)
+def test_reshard_across_dp_degree_stage_and_buckets(saved_at_dp4, tmp_path, stage, world, config):
+    """Saved at DP 4 stage 2: loaded at another DP degree, stage and bucket size, the engine
+    holds the saved parameters, and saving it again writes the same checkpoint, bitwise
+    (fp32 masters, Adam's moments and step, counters)."""
+    path, params = saved_at_dp4
+    loaded = spawn(_load_and_resave, world, str(path), str(tmp_path / "again"),
+                   {"stage": stage, "precision": "fp64", **config}, timeout=120)
+    assert all(max_abs_diff(r, params) == 0.0 for r in loaded)
+    assert_same_checkpoint(path, tmp_path / "again")
+
+
+def _resume_at(path: str, config: dict, accum: int) -> dict:
+    engine = build(accum=accum, **config)
+    checkpoint.load(engine, path)
+    losses = train(engine, 5, 10)
+    return {"params": engine.full_parameters(), "losses": losses}
+
+
+def _straight(config: dict) -> dict:
+    engine = build(**config)
+    losses = train(engine, 0, 10)
+    return {"params": engine.full_parameters(), "losses": losses}
+
+
+def test_training_continues_after_resharding(saved_at_dp4):
+    """DP 4 x 2 micro-batches and DP 2 x 4 micro-batches see the same global batches: resumed at
+    DP 2, stage 3, the run ends where the DP 4 run does (float64, up to summation order)."""
+    path, _ = saved_at_dp4
+    resumed = spawn(_resume_at, 2, str(path), {"stage": 3, "precision": "fp64"}, 4, timeout=120)[0]
+    straight = spawn(_straight, 4, {"stage": 2, "precision": "fp64"}, timeout=120)[0]
+    assert max_abs_diff(resumed["params"], straight["params"]) < FP64_TOL
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], straight["losses"][5:])) < FP64_TOL
+
+
+# -- tensor parallelism (megatron-core) -----------------------------------------------------------
+def _megatron(tp: int, stage: int, path: str, save_after: int | None, load: bool, steps: int) -> dict:
+    from megatron.core import parallel_state
+    from test_megatron_tp import CLIP as MCLIP, LR, SHAPE, _batch, _fp64_loss, _gather_tp
+    from experiments.models.megatron_gpt import build_gpt, initialize_parallel
+    dp_group, tp_group = initialize_parallel(tp)
+    torch.manual_seed(0)
+    model = build_gpt(SHAPE).double()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, precision="fp64", clip_grad_norm=MCLIP,
+                                                                reduce_bucket_size=700),
+                                  optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR),
+                                  dp_group=dp_group, mp_group=tp_group)
+    try:
+        start = checkpoint.load(engine, path)["step"] if load else 0
+    except ValueError as e:
+        return {"refused": str(e)}
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    for step in range(start, steps):
+        micro = 8 // dp
+        engine.backward(_fp64_loss(engine, _batch(step)[dp_rank * micro:(dp_rank + 1) * micro]))
+        engine.step()
+        if step + 1 == save_after:
+            checkpoint.save(engine, path, extra={"step": step + 1})
+    return {"params": _gather_tp(model, engine.full_parameters(), tp_group)}
+
+
+def test_tp_checkpoint_reshards_dp_at_fixed_tp_and_refuses_another_tp(tmp_path):
+    """megatron GPT at TP 2 x DP 2, stage 2, saved after 3 of 6 steps: the export is the TP=1
+    model (TP shards concatenated along their partition dim); resumed at TP 2 x DP 1, stage 3,
+    the run ends at the reference's parameters; TP 1 is refused, naming a TP-split parameter."""
+    from test_megatron_tp import TOL, reference
+    ref = reference()
+    path = str(tmp_path / "step_3")
+    saved = spawn(_megatron, 4, 2, 2, path, 3, False, 3, timeout=180)[0]["params"]
+    exported = checkpoint.export(path)
+    assert max_abs_diff({n: exported[n].double() for n in saved}, saved) == 0.0
+    resumed = spawn(_megatron, 2, 2, 3, path, None, True, 6, timeout=180)
+    assert all(max_abs_diff(r["params"], ref["params"]) < TOL for r in resumed)
+    [refused] = spawn(_megatron, 1, 1, 2, path, None, True, 6, timeout=180)
+    assert refused["refused"].startswith("checkpoint saved at TP 2, this engine runs TP 1: parameter ")
+    assert "is split 2 ways there, 1 here" in refused["refused"]
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_another_model_shape_is_refused_naming_the_parameter(tmp_path):
+    engine = build(stage=0)  # a world of one: no torch.distributed needed
+    checkpoint.save(engine, tmp_path / "step_0")
+    torch.manual_seed(0)
+    other = build(TinyGPT(TinyGPTConfig(vocab_size=67, seq_len=16, hidden=12, layers=2, heads=2)), stage=0)
+    with pytest.raises(ValueError, match=r"parameter 'wte.weight' has shape \(67, 10\) in the checkpoint, \(67, 12\) here"):
+        checkpoint.load(other, tmp_path / "step_0")
+    deeper = build(TinyGPT(TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=3, heads=2)), stage=0)
+    with pytest.raises(ValueError, match=r"parameter 'blocks.2.ln1.weight' of shape \(10,\) is not in the checkpoint"):
+        checkpoint.load(deeper, tmp_path / "step_0")
+
+
+def _save_with_a_dying_rank(root: str) -> None:
+    engine = build(stage=2)
+    train(engine, 0, 1)
+    checkpoint.save(engine, f"{root}/step_1")
+    train(engine, 1, 2)
+    if dist.get_rank() == 1:  # rank 1's disk fails in the middle of the next save
+        dcp.FileSystemWriter.write_data = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
+    checkpoint.save(engine, f"{root}/step_2")
+
+
+def test_a_partially_written_checkpoint_is_never_the_latest(tmp_path):
+    with pytest.raises(Exception, match="disk full"):
+        spawn(_save_with_a_dying_rank, 2, str(tmp_path), timeout=120)
+    assert (tmp_path / "step_2.tmp").is_dir() and not (tmp_path / "step_2").exists()
+    (tmp_path / "step_9").mkdir()  # a folder without DCP's .metadata
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoint.load(build(stage=2), tmp_path / "step_9")
+
+
+# -- the state dict API and the wrapped model's own ------------------------------------------------
+def _dcp_idiom(path: str) -> dict:
+    """The stock DCP calls on engine.state_dict(), as with FSDP2."""
+    engine = build(stage=3)
+    train(engine, 0, 2)
+    dcp.save(engine.state_dict(), checkpoint_id=path)
+    expected = engine.full_parameters()
+    fresh = build(stage=3)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    try:
+        fresh.load_state_dict(sd)
+        refused = None
+    except ValueError as e:  # before its first step the engine has no optimizer states to load into
+        refused = str(e)
+    train(fresh, 0, 1)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    fresh.load_state_dict(sd)
+    return {"refused": refused, "same": max_abs_diff(fresh.full_parameters(), expected) == 0.0,
+            "steps": fresh.steps}
+
+
+def test_stock_dcp_save_and_load_of_engine_state_dict(tmp_path):
+    result = spawn(_dcp_idiom, 2, str(tmp_path / "ckpt"), timeout=120)[0]
+    assert "zero_impl.checkpoint.load(engine, path)" in result["refused"]
+    assert result["same"] and result["steps"] == 2
+
+
+def test_the_wrapped_models_own_state_dict_never_misleads():
+    # Stage 3: each rank holds 1/N of every parameter, so both directions refuse.
+    engine = build(stage=3)
+    for call in (lambda: engine.module.state_dict(), lambda: engine.module.load_state_dict({})):
+        with pytest.raises(RuntimeError, match="at ZeRO stage 3 each rank holds 1/N"):
+            call()
+    engine.close()
+    assert engine.module.state_dict()  # the model is its own again
+    # Stage 2 in bf16: new weights loaded into the model reach the fp32 masters (a step with
+    # lr = 0 used to bring the stale masters back).
+    engine = build(stage=2, precision="bf16")
+    new = {k: torch.full_like(v, 0.5) for k, v in make_model().state_dict().items()}
+    engine.module.load_state_dict(new)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    tokens = global_batch(0, 1, 1)[0, 0]
+    engine.backward(lm_loss(engine(tokens), tokens))
+    engine.step()
+    assert all(torch.all(p == 0.5) for p in engine.full_parameters().values())
+    with pytest.raises(RuntimeError, match="assign=True"):
+        engine.module.load_state_dict(new, assign=True)
+    with pytest.raises(RuntimeError, match="inside a gradient accumulation"):
+        _mid_accumulation_state_dict()
+
+
+def _mid_accumulation_state_dict():
+    engine = build(stage=1, accum=2)
+    tokens = global_batch(0, 1, 2)[0, 0]
+    engine.backward(lm_loss(engine(tokens), tokens))
+    engine.step()
+    engine.state_dict()
+
+
+def _train_and_save(path: str) -> dict:
+    engine = build(make_model(tie_blocks=True), stage=3)
+    train(engine, 0, 2)
+    checkpoint.save(engine, path)
+    return engine.full_parameters()
+
+
+def test_export_loads_into_the_bare_model(tmp_path):
+    """One fp32 file, keyed like the bare model's state_dict() (a weight tied across two
+    blocks under both names), from the command line."""
+    params = spawn(_train_and_save, 2, str(tmp_path / "step_2"), timeout=120)[0]
+    done = subprocess.run([sys.executable, "-m", "zero_impl.checkpoint", "export", str(tmp_path / "step_2"),
+                           str(tmp_path / "model.pt")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    model = make_model(tie_blocks=True)
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict: every key, no extra
+    assert max_abs_diff(dict(model.named_parameters()), params) == 0.0
+    assert "blocks.1.fc.weight" in torch.load(tmp_path / "model.pt")
