@@ -37,7 +37,12 @@ class ClusterConfig:
     max_cpu_ranks: int = 8                    # local CPU runs: at most this many ranks per point
     device_memory_gb: Optional[float] = None  # per GPU, for "fits" predictions
     peak_tflops: Optional[float] = None       # per GPU, half precision dense
-    inter_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None   # per node, all NICs together (Gbit/s)
+    # the step-time model's constants (experiments/analysis/step_time.py, sourced there)
+    achieved_efficiency: Optional[float] = None  # fraction of peak_tflops a training step achieves
+    hbm_gb_per_s: Optional[float] = None         # device memory bandwidth
+    intra_node_gb_per_s: Optional[float] = None  # per GPU, per direction (NVLink / NVSwitch)
+    pcie_gb_per_s: Optional[float] = None        # host <-> device per GPU, per direction, achievable
     description: str = ""
 
 
