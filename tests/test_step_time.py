@@ -142,3 +142,58 @@ def test_record_inputs_take_the_engine_counts():
     assert st.predict_record(record).hardware == "dgx2_v100"
     record["config"]["cluster"] = {"name": "local"}
     assert st.predict_record(record) is None
+
+
+# -- the paper's points, predicted, beside the paper ------------------------------------------
+def test_no_paper_throughput_enters_the_model():
+    source = (st.CONF_CLUSTER.parents[1] / "experiments" / "analysis" / "step_time.py").read_text()
+    assert "results/paper" not in source and "APPROX" not in source
+
+
+def test_throughput_table_covers_every_paper_point_with_paper_predicted_and_ratio():
+    from experiments.reports import predictions
+    rows = predictions.predicted_rows()
+    counts = {f: sum(r["figure"] == f for r in rows) for f in predictions.FIGURES}
+    assert counts == {"fig2": 18, "fig3": 4, "fig4": 11, "fig8": 6}
+    z100 = next(r for r in rows if r["figure"] == "fig2" and r["series"] == "ZeRO" and r["model"] == "100B")
+    assert (z100["paper_text"], z100["ds_figure_APPROX"], z100["zero_r"]) == (">38", 38.6, "C4")
+    assert z100["pred_over_text"] == pytest.approx(z100["predicted"] / 38.0)
+    assert z100["pred_over_ds_figure"] == pytest.approx(z100["predicted"] / 38.6)
+    assert z100["speedup_predicted"] > 5 and z100["speedup_ds_figure_APPROX"] == 10.1
+    assert z100["tp_link"] == "NVLink/NVSwitch" and z100["dp_link"] == "InfiniBand share"
+    b100 = next(r for r in rows if r["figure"] == "fig2" and r["series"] == "Baseline" and r["model"] == "100B")
+    assert b100["tp_link"] == "InfiniBand share" and b100["tp_comm_s"] > 10 * b100["compute_s"]  # the collapse
+    # the breakdown adds up to the step
+    for r in rows:
+        parts = r["compute_s"] + r["tp_comm_s"] + r["dp_comm_s"] + r["pa_s"] + r["offload_s"] + r["optimizer_s"]
+        assert parts == pytest.approx(r["step_s"])
+        assert 0 < r["predicted"] < 125 * 0.312 + 1e-9 and r["predicted_h100"] > 0
+    c4, c5 = (next(r for r in rows if r["figure"] == "fig8" and r["zero_r"] == c and r["gpus"] == 128) for c in ("C4", "C5"))
+    assert c5["offload_s"] > 0 == c4["offload_s"] and c5["predicted"] < c4["predicted"]
+    table = predictions.throughput_predicted()
+    assert {"paper text (TFLOPs/GPU)", "DeepSpeed figure, APPROX", "predicted", "pred/text", "pred/figure",
+            "same recipe on DGX H100"} <= set(table.columns)
+
+
+def test_measured_records_of_a_paper_point_land_beside_its_prediction():
+    from experiments.reports import predictions
+    point = next(p for p in predictions.paper_points("fig4") if p.model["name"] == "fig4_13b")
+    record = {"experiment": "fig4", "status": "ok", "tflops_per_gpu": 20.5, "stage": 2, "world_size": 128, "tp": 1,
+              "micro_batch": 2, "config": {"model": point.model, "note": "ZeRO"}}
+    rows = predictions.predicted_rows([record])
+    row = next(r for r in rows if r["figure"] == "fig4" and r["model"] == "13B")
+    assert row["measured"] == 20.5
+    assert all(r["measured"] is None for r in rows if r is not row)
+
+
+def test_claims_table_has_every_text_claim_marked():
+    import csv
+    from experiments.reports import predictions
+    with open(predictions.PAPER_DIR / "text_claims.csv") as f:
+        ids = [r["id"] for r in csv.DictReader(f)]
+    claims = predictions.paper_claims()
+    assert list(claims["id"]) == ids
+    assert set(claims["kind"]) <= {"formula", "measured (CPU)", "simulated", "predicted", "config", "not checked"}
+    by_id = claims.set_index("id")
+    assert by_id.loc["S5-1", "ours"] == "31.4 GB" and by_id.loc["S1-8", "kind"] == "predicted"
+    assert (claims["kind"] == "not checked").sum() < len(claims) / 4

@@ -199,5 +199,168 @@ def communication(records: list[dict]) -> Figure:
     return fig
 
 
+# -- the paper's Figures 2, 3, 4 and 8: the step-time model's prediction in the paper's panel ----
+MODEL_NOTE = ("predicted: experiments/analysis/step_time.py on dgx2_v100 (no constant fitted to the paper); "
+              "APPROX: DeepSpeed's ZeRO-2 figure read from pixels, not the paper's numbers")
+ZERO_COLOR, BASE_COLOR, TEXT_COLOR = "tab:orange", "tab:gray", "tab:red"
+
+
+def _legend_below(ax, ncol: int = 3) -> None:
+    """Legend under the axes, where it cannot cover data."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol, fontsize=7, frameon=False)
+
+
+def fig2_predicted(records: list[dict]) -> Figure:
+    """Figure 2: TFLOPs/GPU against model size, ZeRO-100B and the Megatron baseline, predicted
+    beside DeepSpeed's figure readings and the text's numbers; ZeRO/baseline speedup."""
+    from .predictions import predicted_rows
+    rows = [r for r in predicted_rows(records) if r["figure"] == "fig2"]
+    fig, (ax, sp) = plt.subplots(1, 2, figsize=(12.5, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    fig.suptitle(f"Figure 2: throughput vs model size, 400 V100 (baselines 384/256)\n{MODEL_NOTE}", fontsize=9)
+    labels = [r["model"] for r in rows if r["series"] == "ZeRO"]
+    pos = {m: i for i, m in enumerate(labels)}
+    for series, color, style in (("ZeRO", ZERO_COLOR, "-"), ("Baseline", BASE_COLOR, "--")):
+        sel = [r for r in rows if r["series"] == series]
+        name = "ZeRO-100B" if series == "ZeRO" else "Megatron-LM baseline"
+        ax.plot([pos[r["model"]] for r in sel], [r["predicted"] for r in sel], "o" + style, color=color,
+                label=f"{name}, predicted")
+        read = [r for r in sel if r["ds_figure_APPROX"] is not None]
+        ax.plot([pos[r["model"]] for r in read], [r["ds_figure_APPROX"] for r in read], "s" if series == "ZeRO" else "^",
+                mfc="none", color=color, ms=8, ls="none", label=f"{name}, DeepSpeed figure (APPROX)")
+        for r in sel:
+            if r["paper_text_value"] is not None:
+                ax.plot(pos[r["model"]], r["paper_text_value"], "D", color=TEXT_COLOR, ms=6, ls="none",
+                        label="paper text" if series == "ZeRO" else None)
+                ax.annotate(f"text: {r['paper_text']}", (pos[r["model"]], r["paper_text_value"]), xytext=(6, 4),
+                            textcoords="offset points", fontsize=7, color=TEXT_COLOR)
+    meas = [r for r in rows if r["measured"] is not None]
+    if meas:
+        ax.plot([pos[r["model"]] for r in meas], [r["measured"] for r in meas], "*", color="k", ms=11, ls="none",
+                label="measured (this suite)")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set(xlabel="model size (parameters)", ylabel="TFLOPs / GPU", ylim=(0, None), title="per-GPU throughput")
+    ax.grid(alpha=0.3)
+    _legend_below(ax)
+    zero = [r for r in rows if r["series"] == "ZeRO" and r["speedup_predicted"]]
+    xs = range(len(zero))
+    sp.bar([i - 0.2 for i in xs], [r["speedup_predicted"] for r in zero], 0.4, color=ZERO_COLOR, label="predicted")
+    sp.bar([i + 0.2 for i in xs], [r["speedup_ds_figure_APPROX"] or 0 for r in zero], 0.4, color="none",
+           edgecolor=ZERO_COLOR, hatch="//", label="DeepSpeed figure (APPROX)")
+    sp.axhline(10, color=TEXT_COLOR, ls=":", lw=1.2, label="paper text: up to 10x")
+    sp.set_xticks(list(xs), [r["model"] for r in zero])
+    sp.set(yscale="log", ylabel="ZeRO-100B / baseline (per GPU)", title="speedup over the baseline")
+    sp.set_yticks([1, 2, 5, 10, 20, 50], ["1", "2", "5", "10", "20", "50"])
+    sp.minorticks_off()
+    sp.grid(alpha=0.3, which="both", axis="y")
+    _legend_below(sp, ncol=2)
+    return fig
+
+
+def fig3_predicted(records: list[dict]) -> Figure:
+    """Figure 3: the 60B model from 64 to 400 GPUs: aggregate throughput against the perfect-linear
+    line through the 64-GPU point (above it = superlinear), and per GPU."""
+    from .predictions import figure_readings, predicted_rows
+    rows = sorted((r for r in predicted_rows(records) if r["figure"] == "fig3"), key=lambda r: r["gpus"])
+    readings = figure_readings()
+    fig, (agg, per) = plt.subplots(1, 2, figsize=(12.5, 5.2))
+    fig.suptitle(f"Figure 3: 60B model, MP 16, batch per replica 16/48/48/64 (Table 6)\n{MODEL_NOTE}", fontsize=9)
+    gpus = [r["gpus"] for r in rows]
+    pred_total = [r["predicted"] * r["gpus"] / 1000 for r in rows]
+    paper_total = [readings.get(("fig3", "total", f"{g} GPUs")) for g in gpus]
+    agg.plot(gpus, pred_total, "o-", color=ZERO_COLOR, label="predicted")
+    agg.plot(gpus, [pred_total[0] * g / gpus[0] for g in gpus], ":", color=ZERO_COLOR, label="predicted, perfect linear")
+    if all(v is not None for v in paper_total):
+        agg.plot(gpus, [v / 1000 for v in paper_total], "s-", mfc="none", color="tab:blue",
+                 label="DeepSpeed figure (APPROX)")
+        agg.plot(gpus, [paper_total[0] / 1000 * g / gpus[0] for g in gpus], ":", color="tab:blue",
+                 label="figure, perfect linear")
+    meas = [r for r in rows if r["measured"] is not None]
+    if meas:
+        agg.plot([r["gpus"] for r in meas], [r["measured"] * r["gpus"] / 1000 for r in meas], "*", color="k", ms=11,
+                 ls="none", label="measured (this suite)")
+    agg.set_xscale("log", base=2)
+    agg.set_yscale("log", base=2)
+    agg.set_xticks(gpus, [str(g) for g in gpus])
+    agg.minorticks_off()
+    ticks = [1, 2, 4, 8, 16]
+    agg.set_yticks(ticks, [str(t) for t in ticks])
+    agg.set(xlabel="GPUs", ylabel="aggregate PFLOPs", title="aggregate: above its dotted line = superlinear")
+    agg.grid(alpha=0.3)
+    _legend_below(agg, ncol=2)
+    xs = range(len(rows))
+    per.bar([i - 0.2 for i in xs], [r["predicted"] for r in rows], 0.4, color=ZERO_COLOR, label="predicted")
+    per.bar([i + 0.2 for i in xs], [r["ds_figure_APPROX"] or 0 for r in rows], 0.4, color="none",
+            edgecolor="tab:blue", hatch="//", label="DeepSpeed figure (APPROX)")
+    per.set_xticks(list(xs), [str(g) for g in gpus])
+    per.set(xlabel="GPUs", ylabel="TFLOPs / GPU", title="per GPU")
+    per.grid(alpha=0.3, axis="y")
+    _legend_below(per, ncol=2)
+    return fig
+
+
+def fig4_predicted(records: list[dict]) -> Figure:
+    """Figure 4: data parallelism only (MP 1, 128 GPUs): ZeRO-100B up to 13B against PyTorch DDP."""
+    from .predictions import predicted_rows
+    rows = [r for r in predicted_rows(records) if r["figure"] == "fig4"]
+    fig, ax = plt.subplots(figsize=(12.5, 5.2))
+    fig.suptitle(f"Figure 4: no model parallelism, 128 V100 (Table 10)\n{MODEL_NOTE}", fontsize=9)
+    xs = range(len(rows))
+    colors = [ZERO_COLOR if r["series"] == "ZeRO" else BASE_COLOR for r in rows]
+    ax.bar([i - 0.2 for i in xs], [r["predicted"] for r in rows], 0.4, color=colors, label="predicted")
+    ax.bar([i + 0.2 for i in xs], [r["ds_figure_APPROX"] or 0 for r in rows], 0.4, color="none", edgecolor=colors,
+           hatch="//", label="DeepSpeed figure (APPROX)")
+    zero = [i for i, r in enumerate(rows) if r["series"] == "ZeRO"]
+    ax.hlines(40, min(zero) - 0.4, max(zero) + 0.4, color=TEXT_COLOR, ls=":", label="paper text: over 40 on average (ZeRO)")
+    avg = sum(rows[i]["predicted"] for i in zero) / len(zero)
+    ax.hlines(avg, min(zero) - 0.4, max(zero) + 0.4, color=ZERO_COLOR, ls="--", label=f"predicted average {avg:.1f}")
+    for i, r in enumerate(rows):
+        if r["paper_text_value"] is not None:
+            ax.plot(i, r["paper_text_value"], "v", color=TEXT_COLOR, ms=7, ls="none", label=f"paper text: {r['paper_text']}")
+        if r["measured"] is not None:
+            ax.plot(i, r["measured"], "*", color="k", ms=11, ls="none")
+    ax.set_xticks(list(xs), [f"{r['model']}\n{'ZeRO' if r['series'] == 'ZeRO' else 'DDP'}" for r in rows], fontsize=8)
+    ax.set(ylabel="TFLOPs / GPU", ylim=(0, 55), title="per-GPU throughput (ZeRO-100B orange, PyTorch DDP grey)")
+    ax.grid(alpha=0.3, axis="y")
+    _legend_below(ax, ncol=5)
+    return fig
+
+
+BREAKDOWN = (("compute_s", "compute", "tab:blue"), ("tp_comm_s", "TP all-reduces", "tab:purple"),
+             ("dp_comm_s", "DP (exposed)", "tab:green"), ("pa_s", "Pa all-gathers", "tab:olive"),
+             ("offload_s", "Pa+cpu PCIe", "tab:brown"), ("optimizer_s", "optimizer", "tab:pink"))
+
+
+def fig8_predicted(records: list[dict]) -> Figure:
+    """Figure 8: throughput per ZeRO-R configuration (60B on 128 GPUs, 170B on 400), predicted,
+    and where each step's time goes. The paper prints no number for this figure."""
+    from .predictions import predicted_rows
+    rows = [r for r in predicted_rows(records) if r["figure"] == "fig8"]
+    fig, (ax, br) = plt.subplots(1, 2, figsize=(12.5, 5.2))
+    fig.suptitle("Figure 8: throughput per ZeRO configuration (Table 9; C1-C5 mapping inferred, results/paper)\n"
+                 "predicted: experiments/analysis/step_time.py on dgx2_v100; the paper prints no numbers for "
+                 "this figure (its text: C5 slower than C4 at 60B; 170B needs C5)", fontsize=9)
+    names = [f"{r['model']} {r['zero_r']}\nbatch {r['micro_batch']}" for r in rows]
+    xs = range(len(rows))
+    ax.bar(list(xs), [r["predicted"] for r in rows], 0.6, color=ZERO_COLOR, label="predicted")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['predicted']:.1f}", (i, r["predicted"]), ha="center", va="bottom", fontsize=8)
+        if r["measured"] is not None:
+            ax.plot(i, r["measured"], "*", color="k", ms=11, ls="none")
+    ax.set_xticks(list(xs), names, fontsize=8)
+    ax.set(ylabel="TFLOPs / GPU", title="per-GPU throughput")
+    ax.grid(alpha=0.3, axis="y")
+    _legend_below(ax, ncol=1)
+    bottom = [0.0] * len(rows)
+    for key, label, color in BREAKDOWN:
+        share = [r[key] / r["step_s"] for r in rows]
+        br.bar(list(xs), share, 0.6, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, share)]
+    br.set_xticks(list(xs), names, fontsize=8)
+    br.set(ylabel="share of the predicted step", ylim=(0, 1), title="where a step goes")
+    _legend_below(br, ncol=3)
+    return fig
+
+
 FIGURES = {"throughput_vs_size": throughput_vs_size, "scaling": scaling, "largest_model": largest_model,
-           "memory_bars": memory_bars, "communication": communication}
+           "memory_bars": memory_bars, "communication": communication, "fig2_predicted": fig2_predicted,
+           "fig3_predicted": fig3_predicted, "fig4_predicted": fig4_predicted, "fig8_predicted": fig8_predicted}

@@ -160,10 +160,34 @@ def throughput_table(records: list[dict], paper: pd.DataFrame | None = None) -> 
             "gpus": r["world_size"], "mp": r["tp"], "dp": r["dp"], "batch": r["global_batch"],
             "stage": STAGE_NAMES[r["stage"]], "precision": r["precision"], "c": r["recompute_factor"],
             "tflops_per_gpu": r["tflops_per_gpu"] if ok else None,
+            "tflops_per_gpu_predicted": _predicted_tflops(r) if ok else None,
             "aggregate_pflops": r["tflops_per_gpu"] * r["world_size"] / 1000 if ok else None,
             "paper_tflops_per_gpu": ", ".join(lookup.get(_paper_key(r), [])) or "-",
             "status": r["status"], "hardware": _hardware(r)})
     return pd.DataFrame(rows)
+
+
+def _predicted_tflops(record: dict) -> float | None:
+    """The step-time model's TFLOPs/GPU for the record's point on its cluster (None on clusters
+    without the model's constants, e.g. `local` CPU runs)."""
+    from experiments.analysis.step_time import predict_record
+    pred = predict_record(record)
+    return pred.tflops_per_gpu if pred else None
+
+
+def throughput_predicted(records: list[dict] | None = None) -> pd.DataFrame:
+    """Every paper point of Figures 2, 3, 4 and 8: the paper's TFLOPs/GPU (text; DeepSpeed's
+    figure, APPROX), the step-time model's prediction, their ratios, the time breakdown, the
+    same recipe on DGX H100 nodes, and measured where records exist (reports/predictions.py)."""
+    from experiments.reports.predictions import throughput_predicted as build
+    return build(records)
+
+
+def paper_claims(records: list[dict] | None = None) -> pd.DataFrame:
+    """Every quantitative claim of results/paper/text_claims.csv with ours beside it, marked
+    formula, measured (CPU), simulated, predicted, config or not checked."""
+    from experiments.reports.predictions import paper_claims as build
+    return build(records)
 
 
 def memory_table(records: list[dict]) -> pd.DataFrame:

@@ -1,0 +1,417 @@
+"""The step-time model (experiments/analysis/step_time.py) on the paper's own points, beside the
+paper's numbers: the throughput table, the claims table, and the data of the Figure 2/3/4/8
+comparisons (drawn in figures.py).
+
+The paper's points are built from conf/experiment/fig{2,3,4,8}.yaml through points.expand, run
+nothing, and need no records. Each point is predicted for the system the paper ran it with:
+
+| series | system | DP gradient reduction | ZeRO-R |
+|---|---|---|---|
+| Figure 2 Baseline | Megatron-LM (Sept 2019) | after backward (not overlapped) | none |
+| Figure 4 Baseline (DDP) | PyTorch DDP | overlapped with backward | none |
+| ZeRO (Figures 2-4), C1-C5 (Figure 8) | ZeRO-100B (DeepSpeed 2020) | overlap_comm off by default: not overlapped | per point, below |
+
+ZeRO-R per point: Figure 8's C1-C5 from Table 3 (results/paper/table3_zero_r_configs.csv);
+Figure 2's ZeRO points at MP > 1 run Pa (C4: the paper's ZeRO-100B is Pos+g + ZeRO-R, and the
+authors' sweep files set PA on), the 170B one Pa+cpu (C5: "Pa+cpu is needed for 170B", Sec
+10.5); Figure 3's 60B runs Pa+cpu (C5: the authors' hyperscale config7_* files set PA and
+PA-CPU on); MP 1 points have nothing for Pa to partition.
+
+The paper's numbers: the text's (results/paper/text_claims.csv) where it states one, and the
+readings of DeepSpeed's ZeRO-2 figure (digitized_deepspeed_zero2_figure_APPROX.csv), which are
+that figure's numbers read from pixels (about +-0.5 TFLOPs), not the paper's.
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+from experiments.analysis import step_time as st
+from experiments.analysis.flops import recompute_factor
+from experiments.analysis.memory import max_params, model_state_bytes
+from experiments.records import REPO
+
+PAPER_DIR = REPO / "results" / "paper"
+CONF_DIR = REPO / "conf"
+FIGURES = ("fig2", "fig3", "fig4", "fig8")
+PAPER_CLUSTER, TODAY_CLUSTER = "dgx2_v100", "dgx_h100"
+SYSTEMS = {
+    "megatron": {"overlap": False, "label": "Megatron-LM 2019", "source": st.SOURCES["overlap.megatron"]},
+    "torch_ddp": {"overlap": True, "label": "PyTorch DDP", "source": st.SOURCES["overlap.torch_ddp"]},
+    "zero100b": {"overlap": False, "label": "ZeRO-100B (DeepSpeed 2020)", "source": st.SOURCES["overlap.deepspeed_zero"]},
+}
+
+
+# -- the paper's points ------------------------------------------------------------------------
+@cache
+def paper_points(experiment: str, cluster: str = PAPER_CLUSTER) -> tuple:
+    """The points of conf/experiment/<experiment>.yaml on conf/cluster/<cluster>.yaml, built with
+    points.expand (no Hydra app needed, nothing run)."""
+    from experiments.points import expand
+    from experiments.schema import SweepConfig
+    exp = OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml")
+    cfg = OmegaConf.merge(OmegaConf.structured(SweepConfig),
+                          {"experiment": exp.experiment, "train": exp.get("train", {}),
+                           "cluster": OmegaConf.load(CONF_DIR / "cluster" / f"{cluster}.yaml")})
+    return tuple(expand(cfg))
+
+
+@cache
+def zero_r_flags() -> dict[str, dict[str, bool]]:
+    with open(PAPER_DIR / "table3_zero_r_configs.csv") as f:
+        return {r["config"]: {"pa": r["Pa"] == "on", "pa_cpu": r["Pa+cpu"] == "on"} for r in csv.DictReader(f)}
+
+
+def paper_system(point) -> dict:
+    """The system and ZeRO-R configuration the paper ran this point with (module docstring)."""
+    note, label = point.note, point.model.get("label", "")
+    if note == "Baseline":
+        return {"system": "megatron", "zero_r": "-", "basis": "Table 5 baseline: Megatron-LM MP"}
+    if note == "Baseline (DDP)":
+        return {"system": "torch_ddp", "zero_r": "-", "basis": "Table 10 baseline: PyTorch DDP"}
+    if note in zero_r_flags():
+        return {"system": "zero100b", "zero_r": note, "basis": "Table 9 row, C-config inferred (results/paper)"}
+    if point.tp == 1:
+        return {"system": "zero100b", "zero_r": "C3", "basis": "MP 1: Pa has nothing to partition"}
+    if point.experiment == "fig3":
+        return {"system": "zero100b", "zero_r": "C5", "basis": "DeepSpeedExamples hyperscale config7_*: PA, PA-CPU on"}
+    if label == "170B":
+        return {"system": "zero100b", "zero_r": "C5", "basis": "Sec 10.5: Pa+cpu needed for 170B"}
+    return {"system": "zero100b", "zero_r": "C4", "basis": "ZeRO-100B = Pos+g + ZeRO-R; sweep files: PA on"}
+
+
+def paper_inputs(point) -> st.StepInputs:
+    sys = paper_system(point)
+    flags = zero_r_flags().get(sys["zero_r"], {"pa": False, "pa_cpu": False})
+    return st.inputs_from_point(point, overlap_grad_reduce=SYSTEMS[sys["system"]]["overlap"], **flags)
+
+
+# -- the paper's numbers -----------------------------------------------------------------------
+def _series(point) -> str:
+    return point.note if point.experiment != "fig3" else "ZeRO"
+
+
+def _x(point) -> str:
+    return f"{point.gpus} GPUs" if point.experiment == "fig3" else point.model.get("label", "")
+
+
+@cache
+def figure_readings() -> dict[tuple[str, str, str], float]:
+    """DeepSpeed's ZeRO-2 figure, read from pixels (APPROX): (experiment, series, x) -> value."""
+    names = {"DeepSpeed (ZeRO-2)": ("fig2", "ZeRO"), "Baseline w. internode MP": ("fig2", "Baseline"),
+             "Performance/GPU (bar; right axis)": ("fig3", "ZeRO"), "ZeRO-2 DP": ("fig4", "ZeRO"),
+             "Baseline DP": ("fig4", "Baseline (DDP)"), "ZeRO Speed-up (bar; right axis)": ("fig2", "speedup"),
+             "Observed Performance (total; log2 left axis)": ("fig3", "total"),
+             "DeepSpeed (ZeRO-1)": ("fig2", "ZeRO-1")}
+    df = pd.read_csv(PAPER_DIR / "digitized_deepspeed_zero2_figure_APPROX.csv")
+    return {(*names[s], x): float(v) for s, x, v in zip(df.series_as_labelled, df.x, df.value) if s in names}
+
+
+# Numbers the paper's text states for one point: (experiment, series, x) -> (printed, value, claim id).
+TEXT_NUMBERS = {
+    ("fig2", "ZeRO", "100B"): (">38", 38.0, "S1-8"),
+    ("fig2", "Baseline", "40B"): ("~5", 5.0, "S1-2"),
+    ("fig4", "Baseline (DDP)", "1.38B"): ("<20", 20.0, "S10-10"),
+}
+
+
+# -- predictions -------------------------------------------------------------------------------
+def _records_by_point(records: list[dict]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in records:
+        c = r.get("config", {})
+        key = (r.get("experiment"), c.get("model", {}).get("name"), r.get("stage"), r.get("world_size"),
+               r.get("tp"), r.get("micro_batch"), c.get("note", ""))
+        out.setdefault(key, []).append(r)
+    return out
+
+
+def _point_key(p) -> tuple:
+    return (p.experiment, p.model["name"], p.stage, p.gpus, p.tp, p.micro_batch, p.note)
+
+
+def predicted_rows(records: list[dict] | None = None) -> list[dict]:
+    """One row per paper point of Figures 2, 3, 4 and 8: the paper's numbers, the prediction on
+    the paper's cluster with its breakdown, the same recipe on DGX H100 nodes, and what records
+    of the point say (measured TFLOPs; the prediction redone with a simulated record's engine
+    counts)."""
+    v100, h100 = st.hardware(PAPER_CLUSTER), st.hardware(TODAY_CLUSTER)
+    by_point = _records_by_point(records or [])
+    readings = figure_readings()
+    rows = []
+    for experiment in FIGURES:
+        for point in paper_points(experiment):
+            x = paper_inputs(point)
+            pred, today = st.predict(x, v100), st.predict(x, h100)
+            series, label = _series(point), _x(point)
+            sys = paper_system(point)
+            printed, text_value, claim = TEXT_NUMBERS.get((experiment, series, label), ("-", None, ""))
+            reading = readings.get((experiment, series, label))
+            found = by_point.get(_point_key(point), [])
+            measured = [r["tflops_per_gpu"] for r in found if r.get("status") == "ok"
+                        and r.get("measured_by") != "simulated" and isinstance(r.get("tflops_per_gpu"), float)]
+            simulated = [r for r in found if r.get("measured_by") == "simulated"
+                         and r.get("comm", {}).get("by_purpose") is not None]
+            engine = None
+            if simulated:
+                purposes = simulated[0]["comm"]["by_purpose"]
+                counted = replace(x, dp_grad_bytes=float(purposes.get("grads", {}).get("bytes", 0)),
+                                  dp_param_bytes=float(purposes.get("params", {}).get("bytes", 0)))
+                engine = st.predict(counted, v100).tflops_per_gpu
+            rows.append({
+                "figure": experiment, "series": series, "model": label, "params_B": point_params(point) / 1e9,
+                "gpus": point.gpus, "mp": point.tp, "dp": point.dp, "micro_batch": point.micro_batch,
+                "stage": point.stage, "zero_r": sys["zero_r"], "system": SYSTEMS[sys["system"]]["label"],
+                "paper_text": printed, "paper_text_claim": claim, "paper_text_value": text_value,
+                "ds_figure_APPROX": reading,
+                "predicted": pred.tflops_per_gpu,
+                "pred_over_text": pred.tflops_per_gpu / text_value if text_value else None,
+                "pred_over_ds_figure": pred.tflops_per_gpu / reading if reading else None,
+                "step_s": pred.step_s, "compute_s": pred.compute_s, "tp_comm_s": pred.tp_comm_s,
+                "dp_comm_s": pred.dp_comm_s, "pa_s": pred.pa_s, "offload_s": pred.offload_s,
+                "optimizer_s": pred.optimizer_s, "tp_link": pred.tp_link, "dp_link": pred.dp_link,
+                "predicted_h100": today.tflops_per_gpu, "h100_tp_link": today.tp_link,
+                "measured": max(measured) if measured else None,
+                "predicted_engine_counts": engine,
+            })
+    _add_speedups(rows)
+    return rows
+
+
+def point_params(point) -> float:
+    from experiments.models.megatron_gpt import parameter_count
+    return parameter_count(point.shape, point.tp)
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    """Figure 2's ZeRO rows get ZeRO / Baseline at the same size (the '10x' claim)."""
+    readings = figure_readings()
+    base = {r["model"]: r["predicted"] for r in rows if r["figure"] == "fig2" and r["series"] == "Baseline"}
+    for r in rows:
+        zero2 = r["figure"] == "fig2" and r["series"] == "ZeRO"
+        r["speedup_predicted"] = r["predicted"] / base[r["model"]] if zero2 and r["model"] in base else None
+        r["speedup_ds_figure_APPROX"] = readings.get(("fig2", "speedup", r["model"])) if zero2 else None
+
+
+THROUGHPUT_COLUMNS = {
+    "figure": "figure", "series": "series", "model": "model", "gpus": "GPUs", "mp": "MP", "dp": "DP",
+    "micro_batch": "batch/replica", "zero_r": "ZeRO-R", "paper_text": "paper text (TFLOPs/GPU)",
+    "ds_figure_APPROX": "DeepSpeed figure, APPROX", "predicted": "predicted", "pred_over_text": "pred/text",
+    "pred_over_ds_figure": "pred/figure", "speedup_predicted": "ZeRO/baseline pred",
+    "speedup_ds_figure_APPROX": "ZeRO/baseline figure APPROX", "compute_s": "compute s", "tp_comm_s": "TP comm s",
+    "dp_comm_s": "DP comm s (exposed)", "pa_s": "Pa s", "offload_s": "Pa+cpu s", "optimizer_s": "optimizer s",
+    "predicted_h100": "same recipe on DGX H100", "measured": "measured", "predicted_engine_counts": "pred. w/ engine counts",
+}
+
+
+def throughput_predicted(records: list[dict] | None = None) -> pd.DataFrame:
+    """The throughput table: every paper point, paper (text; DeepSpeed figure APPROX), predicted
+    (TFLOPs/GPU on the paper's DGX-2 cluster), their ratios, the time breakdown (seconds per step),
+    what the same recipe would give on DGX H100 nodes, and measured where a record exists."""
+    df = pd.DataFrame(predicted_rows(records))
+    return df[list(THROUGHPUT_COLUMNS)].rename(columns=THROUGHPUT_COLUMNS)
+
+
+# -- the paper's claims, one by one ------------------------------------------------------------
+def _rows_by(rows: list[dict], figure: str, series: str | None = None) -> list[dict]:
+    return [r for r in rows if r["figure"] == figure and (series is None or r["series"] == series)]
+
+
+def _one(rows, figure, series, model) -> dict:
+    return next(r for r in rows if r["figure"] == figure and r["series"] == series and r["model"] == model)
+
+
+def _ckpt_gb(b: int, s: int, h: int, layers: int, e: int = 2) -> float:
+    """One fp16 checkpoint per layer: s·b·h·e bytes x layers."""
+    return s * b * h * layers * e / 1e9
+
+
+def _comm_measured(records: list[dict], simulated: bool) -> dict[int, list[float]]:
+    """Elements per step / Ψ by stage, from ok records with DP > 1 (measured on CPU, or simulated)."""
+    out: dict[int, list[float]] = {}
+    for r in records:
+        if r.get("status") != "ok" or r.get("dp", 1) <= 1 or not r.get("params_per_gpu"):
+            continue
+        if (r.get("measured_by") == "simulated") != simulated:
+            continue
+        out.setdefault(r["stage"], []).append(r["comm"]["elements_per_step"] / r["params_per_gpu"])
+    return out
+
+
+def _fmt_range(values: list[float]) -> str:
+    return f"{min(values):.4f}" if max(values) - min(values) < 5e-5 else f"{min(values):.4f}-{max(values):.4f}"
+
+
+def _simulated_status(records: list[dict], experiment: str, model: str, stage: int) -> str | None:
+    found = [r for r in records if r.get("measured_by") == "simulated" and r.get("experiment") == experiment
+             and r.get("config", {}).get("model", {}).get("name") == model and r.get("stage") == stage]
+    if not found:
+        return None
+    r = found[0]
+    peak = r.get("memory", {}).get("peak_bytes")
+    return f"{'fits' if r['status'] == 'ok' else r['status']}" + (f" (peak {peak / 1e9:.1f} GB)" if peak else "")
+
+
+def paper_claims(records: list[dict] | None = None) -> pd.DataFrame:
+    """Every claim of results/paper/text_claims.csv with ours beside it, and how ours was obtained:
+    formula (the suite's analytic models), measured (CPU) (records of this suite's runs),
+    simulated (records of experiments/simulate.py), predicted (the step-time model), config
+    (the cluster config), or not checked (and why)."""
+    records = records or []
+    rows = predicted_rows(records)
+    with open(PAPER_DIR / "text_claims.csv") as f:
+        claims = list(csv.DictReader(f))
+    ours = _ours(rows, records)
+    out = []
+    for c in claims:
+        value, kind, how = ours.get(c["id"], ("-", "not checked", "no quantity the suite computes"))
+        out.append({"id": c["id"], "section": c["section"], "claim": c["quantity"],
+                    "paper": f"{c['value']} {c['unit']}".strip(), "ours": value, "kind": kind, "how": how})
+    return pd.DataFrame(out)
+
+
+def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, str]]:  # noqa: C901 (one entry per claim)
+    z100, b100 = _one(rows, "fig2", "ZeRO", "100B"), _one(rows, "fig2", "Baseline", "100B")
+    b40 = _one(rows, "fig2", "Baseline", "40B")
+    zero2 = _rows_by(rows, "fig2", "ZeRO")
+    speedups = {r["model"]: r["speedup_predicted"] for r in zero2 if r["speedup_predicted"]}
+    best = max(speedups, key=speedups.get)
+    mid = [r for r in zero2 if r["model"] in ("8B", "40B", "60B", "80B", "100B")]
+    avg_pf = sum(r["predicted"] * r["gpus"] for r in mid) / len(mid) / 1000
+    v100 = st.hardware(PAPER_CLUSTER)
+    peak_pf = v100.peak_tflops * 400 / 1000
+    fig3 = sorted(_rows_by(rows, "fig3"), key=lambda r: r["gpus"])
+    agg = [(r["gpus"], r["predicted"] * r["gpus"]) for r in fig3]
+    doubling = ", ".join(f"{g1}->{g2}: x{a2 / a1:.2f} (GPUs x{g2 / g1:.2f})" for (g1, a1), (g2, a2) in zip(agg, agg[1:]))
+    per_gpu = ", ".join(f"{r['gpus']}: {r['predicted']:.1f}" for r in fig3)
+    fig4z = _rows_by(rows, "fig4", "ZeRO")
+    avg4 = sum(r["predicted"] for r in fig4z) / len(fig4z)
+    ddp138 = _one(rows, "fig4", "Baseline (DDP)", "1.38B")
+    z13 = _one(rows, "fig4", "ZeRO", "13B")
+    c4 = next(r for r in _rows_by(rows, "fig8") if r["zero_r"] == "C4")
+    c5 = next(r for r in _rows_by(rows, "fig8") if r["zero_r"] == "C5" and r["gpus"] == 128)
+    z170 = _one(rows, "fig2", "ZeRO", "170B")
+
+    gb = 1e9
+    psi15 = 1.5e9
+    s = 1024
+    # memory formulas (K = 12, fp16 params and grads)
+    pos = lambda psi, nd: model_state_bytes(psi, 1, nd)["total"]  # noqa: E731
+    posg = lambda psi, nd: model_state_bytes(psi, 2, nd)["total"]  # noqa: E731
+    posgp = lambda psi, nd: model_state_bytes(psi, 3, nd)["total"]  # noqa: E731
+    dp_only_max = max_params(32e9, 0, 64) / 1e9
+
+    measured = _comm_measured(records, simulated=False)
+    simulated = _comm_measured(records, simulated=True)
+
+    def comm(stage: int, theory: int) -> tuple[str, str, str]:
+        if simulated.get(stage):
+            return (f"{_fmt_range(simulated[stage])}Ψ per step (stage {stage})", "simulated",
+                    "engine counts at full world size, records of experiments/simulate.py; formula "
+                    f"{theory}Ψ")
+        if measured.get(stage):
+            return (f"{_fmt_range(measured[stage])}Ψ per step (stage {stage})", "measured (CPU)",
+                    f"engine counts of the ok records with DP > 1 (padding and 2 norm scalars included); formula {theory}Ψ")
+        return (f"{theory}Ψ", "formula", "Sec 7 volumes; no records with DP > 1 given to this report")
+
+    sim13 = _simulated_status(records, "fig4", "fig4_13b", 2)
+    sim138 = _simulated_status(records, "fig4", "fig4_1.38b", 0)
+    sim170 = _simulated_status(records, "fig8", "fig2_170b", 2) or _simulated_status(records, "fig2", "fig2_170b", 2)
+    ckpt100 = _ckpt_gb(32, s, 8192, 125)
+    ckpt170 = _ckpt_gb(12, s, 8192, 212) / 16
+    states170 = posg(171.168e9 / 16, 25) / gb
+
+    return {
+        "A1": (f"170B at {z170['predicted']:.1f} TFLOPs/GPU (C5)", "predicted",
+               "largest Figure 2 point, ZeRO-100B with Pa+cpu on 400 V100s"),
+        "A2": (f"{z100['predicted'] * 400 / 1000:.1f} PFLOPs at 100B", "predicted", "100B point x 400 GPUs"),
+        "A3": (f"{170 / 20:.1f}x (170B vs Megatron's 16-20B)", "formula",
+               "ratio of the paper's own sizes (S9-1, S10-4); not an independent check"),
+        "A4": (f"{speedups['100B']:.1f}x at 100B", "predicted", "ZeRO-100B / Megatron baseline, Figure 2 points"),
+        "A5": (f"13B at MP 1: {z13['predicted']:.1f} TFLOPs/GPU" + (f"; simulated: {sim13}" if sim13 else ""),
+               "simulated" if sim13 else "predicted",
+               f"Table 1 states 2Ψ + 14Ψ/128 = {posg(12.696e9, 128) / gb:.1f} GB of 32"),
+        "S1-1": (f"{dp_only_max:.1f}B (model states alone: 16Ψ <= 32 GB)" + (f"; 1.38B DDP simulated: {sim138}" if sim138 else ""),
+                 "simulated" if sim138 else "formula",
+                 "16Ψ bytes; activations and buffers bring it lower (dry runs: experiments/sweep.py dry_run=true)"),
+        "S1-2": (f"{b40['predicted']:.1f} TFLOPs/GPU ({100 * b40['predicted'] / v100.peak_tflops:.1f}% of peak)", "predicted",
+                 "Figure 2's 40B baseline: MP 32 over two DGX-2 nodes"),
+        "S1-3": (f"{16 / (4 + 12 / 64):.2f}x at Nd = 64 (-> 4x)", "formula", "16Ψ / (4Ψ + 12Ψ/Nd)"),
+        "S1-4": (f"{16 / (2 + 14 / 64):.2f}x at Nd = 64 (-> 8x)", "formula", "16Ψ / (2Ψ + 14Ψ/Nd)"),
+        "S1-5": ("64x at Nd = 64; 3Ψ vs 2Ψ = +50%", "formula", "16Ψ / (16Ψ/Nd); Sec 7 volumes (see S7-1..3)"),
+        "S1-6": (f"{16 * 1e12 / 1e12:.0f} TB", "formula", "16Ψ bytes, Ψ = 1e12"),
+        "S1-7": (f"{posgp(1e12, 1024) / gb:.3g} GB per GPU (16 x 64 = 1024)", "formula",
+                 "16Ψ / (Nm·Nd) with MP 16 inside a DGX-2 node (cluster gpus_per_node 16)"),
+        "S1-8": (f"{z100['predicted']:.1f} TFLOPs/GPU, {z100['predicted'] * 400 / 1000:.1f} PFLOPs", "predicted",
+                 "Figure 2's 100B ZeRO-100B point (C4), 400 V100s"),
+        "S1-9": (f"per GPU {per_gpu}; aggregate {doubling}", "predicted",
+                 "Figure 3's points (fig3_configs.csv batch sizes), C5"),
+        "S1-10": ("-", "not checked", "a release date"),
+        "S3-1": (f"{2 * psi15 / gb:.0f} GB", "formula", "2Ψ bytes"),
+        "S3-2": ("K = 12: 4 + 4 + 4 bytes (master, momentum, variance)", "formula", "experiments/analysis/memory.py"),
+        "S3-3": (f"{16 * psi15 / gb:.0f} GB", "formula", "16Ψ bytes"),
+        "S3-4": (f"{12 * 1600 * 32 * s * 48 * 2 / gb:.1f} GB", "formula",
+                 "the footnote's 12·h·b·s·l elements x 2 bytes (Korthikanti's count, experiments/analysis/activations.py, is larger)"),
+        "S3-5": (f"{100 * (recompute_factor(True) / recompute_factor(False) - 1):.0f}%", "formula",
+                 "Eq. 3's c = 4 vs 3: one extra forward"),
+        "S3-6": (f"{_ckpt_gb(32, s, 1600, 48):.1f} GB", "formula", "one fp16 checkpoint per layer, s·b·h·l·2 bytes"),
+        "S3-7": (f"{ckpt100:.1f} GB", "formula", "s·b·h·l·2 bytes for the 100B shape (125 x 8192), b = 32"),
+        "S3-8": (f"{4 * psi15 / gb:.0f} GB", "formula", "4Ψ bytes"),
+        "S3-9": ("-", "not checked", "fragmentation needs a GPU's allocator"),
+        "S3-10": ("12·h·b·s·l", "formula", "used as printed in S3-4"),
+        "S4-1": (f"{recompute_factor(True) * 12 * 1600 * (1 + s / (6 * 1600)) / 2 / 1000:.0f}K FLOPs per byte (h = 1600), "
+                 f"{recompute_factor(True) * 12 * 8192 * (1 + s / (6 * 8192)) / 2 / 1000:.0f}K (h = 8192)", "formula",
+                 "a layer's FLOPs per iteration (Eq. 3) over its checkpoint's bytes: 24·c·h·(1 + s/6h)/2, linear in h"),
+        "S5-1": (f"{pos(7.5e9, 64) / gb:.1f} GB", "formula", "Table 1"),
+        "S5-2": (f"{posg(7.5e9, 64) / gb:.1f} GB", "formula", "Table 1"),
+        "S5-3": (f"{posgp(7.5e9, 64) / gb:.2f} GB", "formula", "Table 1"),
+        "S5-4": (", ".join(f"{max_params(32e9, k, 64) / 1e9:.1f}B" for k in (1, 2, 3)), "formula", "Table 2's analysis, 32 GB"),
+        "S5-5": (f"{dp_only_max:.1f}B", "formula", "16Ψ <= 32 GB (model states only)"),
+        "S6-1": (f"{ckpt100 / 16:.1f} GB per GPU if Pa-sized; {ckpt100:.1f} GB replicated", "formula",
+                 "s·b·h·l·2 bytes, b = 32, MP 16: every MP rank holds the whole checkpoint (twice the paper's 33)"),
+        "S6-2": (f"{ckpt100 / 16:.1f} GB", "formula", "the same / 16 MP ranks"),
+        "S6-3": (f"{4 * 3e9 / gb:.0f} GB", "formula", "4Ψ bytes"),
+        "S7-1": comm(0, 2),
+        "S7-2": comm(2, 2),
+        "S7-3": comm(3, 3),
+        "S8-1": (f"{st.TP_ALLREDUCES_PER_LAYER[True]} all-reduces x 2 x s·h·b = 12·s·h·b", "formula",
+                 "step_time.tp_comm_s: 2 forward + 2 recomputed forward + 2 backward"),
+        "S8-2": (f"s·h·b per block: {100 / 12:.1f}% of 12·s·h·b", "formula", "step_time.pa_allgather_s"),
+        "S8-3": (f"{v100.gpus_per_node}", "config", "conf/cluster/dgx2_v100.yaml gpus_per_node"),
+        "S8-4": ("2 PCIe copies per checkpoint (out in forward, back in backward)", "formula", "step_time.offload_s"),
+        "S9-1": (f"{max_params(32e9, 0, 1, 16) / 1e9:.0f}B by model states alone (16Ψ <= 16 x 32 GB)", "formula",
+                 "an upper bound; the paper's 16-20B includes activations"),
+        "S9-2": ("-", "not checked", "another paper's BERT result"),
+        "S9-3": (f"{1e12 / 330e6:.0f}x", "formula", "1e12 / 330e6"),
+        "S9-4": ("-", "not checked", "the paper does not give the estimate's inputs"),
+        "S10-1": (f"{v100.gpus_per_node} GPUs/node, {v100.inter_node_gbps:g} Gbps/node", "config",
+                  "conf/cluster/dgx2_v100.yaml"),
+        "S10-2": ("-", "not checked", "software versions"),
+        "S10-3": ("-", "not checked", "Megatron-LM's own result"),
+        "S10-4": (f"170B: model states {states170:.1f} GB + Pa checkpoints {ckpt170:.1f} GB per GPU"
+                  + (f"; simulated: {sim170}" if sim170 else ""), "simulated" if sim170 else "formula",
+                  "2Ψ/16 + 14Ψ/(16·25) and s·b·h·l·2/16 at b = 12: near 32 GB before buffers, hence Pa+cpu"),
+        "S10-5": (f"{avg_pf:.1f} PFLOPs average ({100 * avg_pf / peak_pf:.0f}% of {peak_pf:g} PF peak)", "predicted",
+                  "mean over Figure 2's ZeRO 8B, 40B, 60B, 80B, 100B points x 400 GPUs"),
+        "S10-6": (f"{2 * v100.intra_node_gb_per_s:g} GB/s per GPU NVSwitch (both directions), "
+                  f"{v100.inter_node_gbps / 8 / 8:g} GB/s per IB link", "config", "conf/cluster/dgx2_v100.yaml"),
+        "S10-7": (f"up to {speedups[best]:.1f}x ({best})", "predicted", "max over Figure 2 sizes 1.5B-170B"),
+        "S10-8": (f"per GPU {per_gpu}", "predicted", "see S1-9"),
+        "S10-9": (f"{avg4:.1f} TFLOPs/GPU average (1.5B-13B)", "predicted", "mean over Figure 4's ZeRO points"),
+        "S10-10": (f"{ddp138['predicted']:.1f} TFLOPs/GPU (1.38B DDP, batch 1)", "predicted",
+                   "Figure 4's DDP baseline: the all-reduce outlasts a batch-1 backward"),
+        "S10-11": ("-", "not checked", "needs a memory model of ZeRO-R's CB/MD/Pa (not implemented)"),
+        "S10-12": ("16x", "formula", "Pa divides each checkpoint over the 16 MP ranks"),
+        "S10-13": ("-", "not checked", "no quantity"),
+        "S10-14": ("see S10-4", "formula" if not sim170 else "simulated", "model states + Pa checkpoints at 170B"),
+        "S10-15": (f"C5 / C4 = {c5['predicted'] / c4['predicted']:.3f}", "predicted",
+                   "60B, 128 GPUs, batch 32: Pa+cpu's PCIe copies"),
+        "S10-16": ("-", "not checked", "a trained model's perplexity"),
+        "S10-17": ("-", "not checked", "Turing-NLG's parallel configuration is not in the paper"),
+        "S10-18": ("-", "not checked", "a training curve"),
+    }
