@@ -45,6 +45,19 @@ class ZeroConfig:
         (DeepSpeed uses 1e5; 0 partitions everything, as the paper's Pos+g+p).
     check_collective_order: before every collective, check that all ranks of the group issue
         the same one, and raise naming the difference instead of hanging (slow; for debugging).
+
+    ZeRO-R (paper Section 6; DeepSpeed's activation_checkpointing names; activations.py). They act on
+    the checkpoints of activation recomputation (a reentrant checkpoint per layer, as megatron-core's):
+    partition_activations (Pa): keep 1/MP of each checkpoint on each model-parallel rank and
+        all-gather it over the mp group just before the layer's recomputation (needs mp_group).
+    cpu_checkpointing (Pa+cpu): keep those slices in host memory, brought back one layer ahead of
+        their recomputation (needs partition_activations).
+    contiguous_memory_optimization (MD): copy the kept checkpoints (slices with Pa, whole without,
+        unlike DeepSpeed, which requires Pa) into one pre-allocated contiguous arena as they are produced.
+    number_checkpoints: MD's arena slots, the most checkpoints one forward keeps (None: one per
+        layer, the blocks of the first ModuleList).
+    CB, constant-size buffers, is not a switch: every fused buffer's size is set by the sizes above
+        (reduce_bucket_size, allgather_bucket_size), whatever the model (engine.stats()["buffers"]).
     """
 
     stage: int = 0
@@ -64,6 +77,10 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 0
     check_collective_order: bool = False
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, STAGES)
@@ -89,9 +106,29 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig.{key} must be >= 0, got {getattr(self, key)!r}")
         if not self.min_loss_scale > 0:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}")
-        for key in ("overlap_comm", "check_collective_order"):
+        for key in ("overlap_comm", "check_collective_order", "partition_activations", "cpu_checkpointing",
+                    "contiguous_memory_optimization"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"ZeroConfig.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.cpu_checkpointing and not self.partition_activations:
+            raise ValueError("ZeroConfig.cpu_checkpointing (Pa+cpu) moves the partitioned checkpoints to the host: "
+                             "it needs partition_activations=true")
+        if self.number_checkpoints is not None:
+            _check_int("number_checkpoints", self.number_checkpoints, 1)
+            if not self.contiguous_memory_optimization:
+                raise ValueError("ZeroConfig.number_checkpoints sizes MD's arena: it needs "
+                                 "contiguous_memory_optimization=true")
+
+    @property
+    def activation_checkpoints(self) -> bool:
+        """Whether any ZeRO-R switch acts on the activation checkpoints (Pa, Pa+cpu, MD)."""
+        return self.partition_activations or self.cpu_checkpointing or self.contiguous_memory_optimization
+
+    @property
+    def zero_r_config(self) -> str | None:
+        """The paper's Table 3 configuration this config is ("C1" ... "C5"), or None."""
+        return zero_r_config(self.stage, self.partition_activations, self.cpu_checkpointing,
+                             self.contiguous_memory_optimization)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -120,6 +157,26 @@ class ZeroConfig:
         if unknown:
             raise ValueError(f"unknown ZeroConfig key(s) {unknown}; allowed: {sorted(known)}")
         return cls(**values)
+
+
+# The paper's Table 3 (results/paper/table3_zero_r_configs.csv): ZeRO-DP stage and ZeRO-R switches.
+# CB holds in every configuration (the engine's buffers are always bounded by their configured sizes).
+ZERO_R_CONFIGS: dict[str, dict] = {
+    "C1": {"stage": 1, "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": True},
+    "C2": {"stage": 1, "partition_activations": True, "cpu_checkpointing": False, "contiguous_memory_optimization": True},
+    "C3": {"stage": 2, "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": True},
+    "C4": {"stage": 2, "partition_activations": True, "cpu_checkpointing": False, "contiguous_memory_optimization": True},
+    "C5": {"stage": 2, "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True},
+}
+
+
+def zero_r_config(stage: int, partition_activations: bool = False, cpu_checkpointing: bool = False,
+                  contiguous_memory_optimization: bool = False) -> str | None:
+    """Table 3's name of this combination (C1 = Pos+CB+MD ... C5 = Pos+g+CB+MD+Pa+cpu), else None."""
+    mine = {"stage": stage, "partition_activations": bool(partition_activations),
+            "cpu_checkpointing": bool(cpu_checkpointing),
+            "contiguous_memory_optimization": bool(contiguous_memory_optimization)}
+    return next((name for name, flags in ZERO_R_CONFIGS.items() if flags == mine), None)
 
 
 def _check_choice(key: str, value, allowed: tuple) -> None:

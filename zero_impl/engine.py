@@ -13,20 +13,23 @@ is common to all stages.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from .activations import ActivationCheckpoints
 from .comm import CommLedger, Communicator
 from .config import ZeroConfig
 from .flat_params import FlatParamBuffer
-from .grad_reducer import BucketedGradReducer
-from .layout import Slot
+from .grad_reducer import MAX_INFLIGHT_STAGING, BucketedGradReducer
+from .layout import BUCKET_ALIGN, PARAM_ALIGN, Slot
 from .loss_scaler import LossScaler
 from .memory import storage_bytes
 from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer
 from .stage3 import Stage3Params
+from .stage3_units import find_unit_modules
 
 
 class ZeroEngine(nn.Module):
@@ -41,6 +44,9 @@ class ZeroEngine(nn.Module):
         self.dp = Communicator(dp_group, self.ledger, "dp", check_order=config.check_collective_order)
         self.mp = Communicator(mp_group, self.ledger, "mp", solo=mp_group is None,
                                check_order=config.check_collective_order)
+        if config.partition_activations and mp_group is None:
+            raise ValueError("ZeroConfig.partition_activations (Pa) partitions each activation checkpoint over the "
+                             "model-parallel group: pass mp_group (the tensor-parallel group)")
         slots, group_options = _collect_slots(module, param_groups, self.mp, with_frozen=config.stage == 3)
         dtype = config.param_dtype
         device = _device_of(slots)
@@ -76,6 +82,13 @@ class ZeroEngine(nn.Module):
             shard.param = self.params.shard_view(shard.bucket)
         _cast_rest(module, dtype, {id(s.param) for s in slots})
 
+        self.activations = None  # ZeRO-R: Pa, Pa+cpu, MD on the activation checkpoints (activations.py)
+        if config.activation_checkpoints:
+            self.activations = ActivationCheckpoints(
+                module, [m for _, m in find_unit_modules(module, config.stage3_unit_classes)], self.mp,
+                partition=config.partition_activations, cpu=config.cpu_checkpointing,
+                contiguous=config.contiguous_memory_optimization, number_checkpoints=config.number_checkpoints)
+
         self.micro_steps = 0
         self.steps = 0
         self.closed = False
@@ -93,8 +106,19 @@ class ZeroEngine(nn.Module):
         self._check_open()
         if self.config.mixed_precision:
             args, kwargs = _cast_floats((args, kwargs), self.config.param_dtype)
-            return _cast_floats(self.module(*args, **kwargs), torch.float32)
-        return self.module(*args, **kwargs)
+        if self.activations is None:
+            out = self.module(*args, **kwargs)
+        else:  # ZeRO-R on the activation checkpoints the layers save (activations.py)
+            before = self.activations.counts["checkpoints"]
+            with self.activations.forward_context():
+                out = self.module(*args, **kwargs)
+            if torch.is_grad_enabled() and self.module.training and self.activations.counts["checkpoints"] == before:
+                key = next(k for k in ("partition_activations", "contiguous_memory_optimization")
+                           if getattr(self.config, k))
+                raise ValueError(f"ZeroConfig.{key} acts on activation checkpoints, and this training forward "
+                                 "saved none: turn on activation recomputation (a reentrant checkpoint per layer, "
+                                 "e.g. megatron's recompute_granularity='full'), or turn the key off")
+        return _cast_floats(out, torch.float32) if self.config.mixed_precision else out
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` / grad_accum_steps (times the fp16 loss scale) and reduce gradients."""
@@ -104,6 +128,8 @@ class ZeroEngine(nn.Module):
         self.grads.begin_backward(reduce=boundary or self.config.stage >= 2,
                                   first_micro_step=self.micro_steps % accum == 0)
         self.params.begin_backward()
+        if self.activations is not None:
+            self.activations.begin_backward()
         try:
             # Dividing by the DP size here turns the reducers' sums into averages at no extra cost.
             (loss * (self.scaler.scale / (accum * self.dp.size))).backward()
@@ -150,6 +176,8 @@ class ZeroEngine(nn.Module):
         for handle in self._checkpoint_hooks:
             handle.remove()
         self.grads.close()
+        if self.activations is not None:
+            self.activations.close()
         self.params.close(gather)
         self.params = self.grads = self.sharded_optimizer = None
         self.slots, self.closed = [], True
@@ -239,6 +267,7 @@ class ZeroEngine(nn.Module):
         self._check_open()
         previous, last = self._boundary_traffic
         stage3 = {"stage3": self.params.schedule_stats()} if self.config.stage == 3 else {}
+        activations = {"activations": self.activations.stats()} if self.activations is not None else {}
         return {
             "stage": self.config.stage,
             "dp_size": self.dp.size,
@@ -254,8 +283,58 @@ class ZeroEngine(nn.Module):
                      "total": CommLedger.summarize(self.ledger.snapshot())},
             "memory": self.memory(),
             "bytes_per_param": self.bytes_per_param(),
+            "zero_r_config": self.config.zero_r_config,
+            "buffers": self.buffers(),
+            "buffer_limits": self.buffer_limits(),
             **stage3,
+            **activations,
         }
+
+    def buffers(self) -> dict[str, int]:
+        """CB (paper Section 6.2): bytes of each fused buffer the engine uses beyond the model
+        states, at its largest so far: stage 2-3 gradient staging (live staging buckets and
+        reduce-scatter outputs), the largest post-step parameter all-gather (stages 1-2, in place
+        in the parameter buffer), the norm's all-reduce, and ZeRO-R's (activations.py)."""
+        self._check_open()
+        out = {"grad_staging": self.grads.peak_buffer_bytes, "norm": 2 * self._norm_itemsize()}
+        if self.config.stage in (1, 2):
+            out["allgather"] = self._allgather_call_elements() * self.config.param_dtype.itemsize
+        if self.activations is not None:
+            out.update(self.activations.buffers())
+        return out
+
+    def buffer_limits(self) -> dict[str, int]:
+        """The size each of buffers() is held to by the config, whatever the model's size:
+        staging MAX_INFLIGHT_STAGING + 1 buckets (and as many reduce-scatter outputs in flight with
+        accumulation) of at most reduce_bucket_size elements plus layout.py's alignment (a single
+        parameter larger than that is a bucket of its own; stage 3: a unit); an all-gather of at
+        most allgather_bucket_size elements; 2 norm scalars; ZeRO-R's, one checkpoint each
+        (ActivationCheckpoints.buffer_limits)."""
+        self._check_open()
+        itemsize = self.config.grad_reduce_dtype.itemsize
+        n = self.dp.size if self.config.stage > 0 else 1
+        multiple = math.lcm(n, BUCKET_ALIGN)
+        if self.config.stage == 3:  # a unit's trainable parameters are one bucket: a layer sets the bound
+            bucket = max([b.numel for b in self.params.buckets], default=0)
+        else:  # each parameter may add up to PARAM_ALIGN - 1 elements of alignment
+            bucket = max([_round_up(b.slots[0].numel if len(b.slots) == 1 else
+                                    self.config.reduce_bucket_size + (PARAM_ALIGN - 1) * len(b.slots), multiple)
+                          for b in self.params.buckets], default=0)
+        staging = (MAX_INFLIGHT_STAGING + 1) * bucket + MAX_INFLIGHT_STAGING * bucket // n if self.config.stage >= 2 else 0
+        out = {"grad_staging": staging * itemsize, "norm": 2 * self._norm_itemsize()}
+        if self.config.stage in (1, 2):
+            out["allgather"] = max(self.config.allgather_bucket_size, n) * self.config.param_dtype.itemsize
+        if self.activations is not None:
+            out.update(self.activations.buffer_limits())
+        return out
+
+    def _norm_itemsize(self) -> int:
+        return torch.promote_types(self.config.grad_reduce_dtype, torch.float32).itemsize
+
+    def _allgather_call_elements(self) -> int:
+        """Elements of the largest post-step all-gather (flat_params.after_step)."""
+        cap, n = self.config.allgather_bucket_size, self.dp.size
+        return max([b.numel if b.numel <= cap else max(1, cap // n) * n for b in self.params.buckets], default=0)
 
 
 def initialize(model: nn.Module, config: ZeroConfig, optimizer: OptimizerFactory,
@@ -334,3 +413,7 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
