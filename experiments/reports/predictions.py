@@ -213,8 +213,13 @@ def throughput_predicted(records: list[dict] | None = None) -> pd.DataFrame:
     """The throughput table: every paper point, paper (text; DeepSpeed figure APPROX), predicted
     (TFLOPs/GPU on the paper's DGX-2 cluster), their ratios, the time breakdown (seconds per step),
     what the same recipe would give on DGX H100 nodes, and measured where a record exists."""
-    df = pd.DataFrame(predicted_rows(records))
-    return df[list(THROUGHPUT_COLUMNS)].rename(columns=THROUGHPUT_COLUMNS)
+    df = pd.DataFrame(predicted_rows(records))[list(THROUGHPUT_COLUMNS)]
+    # a model's output: TFLOPs and ratios to 2 decimals, seconds to 3 (the readings are +-0.5 anyway)
+    numeric = {c: (3 if c.endswith("_s") else 2) for c in THROUGHPUT_COLUMNS
+               if c not in ("gpus", "mp", "dp", "micro_batch") and pd.api.types.is_numeric_dtype(df[c])}
+    for column, digits in numeric.items():
+        df[column] = df[column].round(digits)
+    return df.rename(columns=THROUGHPUT_COLUMNS)
 
 
 # -- the paper's claims, one by one ------------------------------------------------------------
@@ -372,8 +377,8 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
         "S5-3": (f"{posgp(7.5e9, 64) / gb:.2f} GB", "formula", "Table 1"),
         "S5-4": (", ".join(f"{max_params(32e9, k, 64) / 1e9:.1f}B" for k in (1, 2, 3)), "formula", "Table 2's analysis, 32 GB"),
         "S5-5": (f"{dp_only_max:.1f}B", "formula", "16Ψ <= 32 GB (model states only)"),
-        "S6-1": (f"{ckpt100 / 16:.1f} GB per GPU if Pa-sized; {ckpt100:.1f} GB replicated", "formula",
-                 "s·b·h·l·2 bytes, b = 32, MP 16: every MP rank holds the whole checkpoint (twice the paper's 33)"),
+        "S6-1": (f"{ckpt100:.1f} GB", "formula",
+                 "s·b·h·l·2 bytes, b = 32: every MP rank holds every layer's whole checkpoint (twice the paper's 33)"),
         "S6-2": (f"{ckpt100 / 16:.1f} GB", "formula", "the same / 16 MP ranks"),
         "S6-3": (f"{4 * 3e9 / gb:.0f} GB", "formula", "4Ψ bytes"),
         "S7-1": comm(0, 2),
