@@ -356,6 +356,7 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
                  "Figure 2's 100B ZeRO-100B point (C4), 400 V100s"),
         "S1-9": (f"per GPU {per_gpu}; aggregate {doubling}", "predicted",
                  "Figure 3's points (fig3_configs.csv batch sizes), C5"),
+        "A6": ("-", "not checked", "a model trained by others; its parallel configuration is not in the paper"),
         "S1-10": ("-", "not checked", "a release date"),
         "S3-1": (f"{2 * psi15 / gb:.0f} GB", "formula", "2Ψ bytes"),
         "S3-2": ("K = 12: 4 + 4 + 4 bytes (master, momentum, variance)", "formula", "experiments/analysis/memory.py"),
