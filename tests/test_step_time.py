@@ -140,6 +140,9 @@ def test_record_inputs_take_the_engine_counts():
     x = st.inputs_from_record(record)
     assert (x.psi, x.dp_grad_bytes, x.dp_param_bytes, x.overlap_grad_reduce) == (12345, 111, 222, True)
     assert st.predict_record(record).hardware == "dgx2_v100"
+    assert (x.pa, x.pa_cpu) == (False, False)
+    record["config"]["zero"].update(partition_activations=True, cpu_checkpointing=True)
+    assert (st.inputs_from_record(record).pa, st.inputs_from_record(record).pa_cpu) == (True, True)
     record["config"]["cluster"] = {"name": "local"}
     assert st.predict_record(record) is None
 

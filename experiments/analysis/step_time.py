@@ -348,14 +348,17 @@ def inputs_from_point(point, *, overlap_grad_reduce: bool | None = None, pa: boo
 
 
 def inputs_from_record(record: dict) -> StepInputs:
-    """A result record (measured or simulated): its config, and its engine's DP traffic per step
-    (comm.by_purpose: 'grads' and 'params') when the record has them."""
+    """A result record (measured or simulated): its config (ZeRO-R's Pa and Pa+cpu from the engine
+    knobs zero.partition_activations / zero.cpu_checkpointing when present), and its engine's DP
+    traffic per step (comm.by_purpose: 'grads' and 'params') when the record has them."""
     config = record["config"]
+    zero = config.get("zero", {})
     x = StepInputs(**_shape_inputs(config["model"], record["tp"]), micro_batch=record["micro_batch"],
                    tp=record["tp"], dp=record["dp"], stage=record["stage"], recompute=config["train"]["recompute"],
                    grad_accum=config["train"]["grad_accum_steps"],
                    element_bytes=PRECISION_BYTES.get(record.get("precision"), 2),
-                   overlap_grad_reduce=config.get("zero", {}).get("overlap_comm", True))
+                   overlap_grad_reduce=zero.get("overlap_comm", True),
+                   pa=bool(zero.get("partition_activations", False)), pa_cpu=bool(zero.get("cpu_checkpointing", False)))
     if record.get("params_per_gpu"):
         x = replace(x, psi=float(record["params_per_gpu"]))
     purposes = record.get("comm", {}).get("by_purpose")
