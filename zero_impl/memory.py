@@ -3,6 +3,7 @@ suite, experiments/analysis/memory.py)."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
 def storage_bytes(tensors) -> int:
@@ -11,5 +12,6 @@ def storage_bytes(tensors) -> int:
     for t in tensors:
         if torch.is_tensor(t):
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            # a fake tensor's storage (a simulation) has no address: its StorageImpl identifies it
+            seen[storage._cdata if is_fake(t) else storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

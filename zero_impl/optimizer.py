@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .comm import Communicator
 from .layout import Bucket, Piece
@@ -106,6 +107,8 @@ class ShardedOptimizer:
             sums /= self.dp.size  # every DP rank holds the same full gradient: count it once
         self.dp.all_reduce(sums, purpose="norm")
         self.mp.all_reduce(sums, purpose="norm")
+        if is_fake(sums):  # a simulation (FakeTensorMode, experiments/simulate.py): no values to read
+            return float("nan"), False
         return float(sums[0]), not math.isfinite(float(sums[1]))
 
     def step(self) -> bool:
@@ -119,7 +122,7 @@ class ShardedOptimizer:
             return False
         self.grad_norm = math.sqrt(max(sumsq, 0.0)) / scale
         coef = 1.0 / scale
-        if self.clip_grad_norm > 0:
+        if self.clip_grad_norm > 0 and not math.isnan(sumsq):  # NaN: simulated, the step applies unclipped
             # Same formula as torch.nn.utils.clip_grad_norm_.
             coef *= min(1.0, self.clip_grad_norm / (self.grad_norm + 1e-6))
         for m in self.masters:

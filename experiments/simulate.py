@@ -1,0 +1,541 @@
+"""The paper's scale on one CPU: a point's rank simulated at its true world size on fake tensors.
+
+    python experiments/sweep.py experiment=fig2 simulate=true        # every Figure 2 point, world 256-400
+    python experiments/sweep.py experiment=fig4 simulate=true simulate_rank=5
+    python experiments/train.py model=fig4_13b stage=2 gpus=128 cluster=dgx2_v100 simulate=true
+
+One process per point plays one rank (`simulate_rank`, default 0) of the point's whole job:
+torch's fake process-group backend (`FakeProcessGroup`) accepts every collective, with the
+right shapes, for any world size, so megatron-core's parallel state lays out the real TP x DP
+groups; `FakeTensorMode` runs every op with shapes, dtypes and devices but no data and no
+memory. On top of that runs what a real point runs: the model built by train.py's `_build`
+(eagerly, or on the meta device and materialized unit by unit by stage 3), the ZeRO engine with
+the point's stage, precision and knobs, and `SIM_STEPS` complete training steps (forward,
+backward, step, with the point's recomputation and gradient accumulation). Every storage the
+rank allocates is seen by `StorageTracker` (experiments/storage_tracker.py), which gives the
+peak device bytes, by phase and by kind, rounded to the CUDA caching allocator's 512-byte blocks.
+
+What changes in a simulation (and only there):
+- no values exist, so nothing data-dependent can be read: the engine's step skips its host
+  reads (zero_impl/optimizer.py: the norm is NaN, no overflow, no clipping: the step applies),
+  and no loss is recorded;
+- megatron's RNG tracker forks without its CPU-RNG sanity check (an `.item()` on a comparison);
+- tensors are fake *CPU* tensors standing for the GPU's (fake CUDA tensors fail in this CPU-only
+  torch build), so the layer spec is megatron's local one (no Transformer Engine) and
+  allocations made by megatron's CPU initialization (the full fp32 weight drawn on the host
+  before each TP rank keeps its slice) are counted as host memory, not device memory;
+- the optimizer runs torch's multi-tensor (foreach) AdamW, the implementation torch picks for
+  CUDA tensors, when the point's cluster has GPUs.
+
+The verdict: `fits` when peak + cluster.cuda_reserve_gb (CUDA context, cuBLAS/cuDNN workspaces:
+not tensors, so not seen) <= cluster.device_memory_gb (x 1e9 bytes, the suite's convention); the
+record's status is then `ok`, else `oom` with the kind that dominates the peak named. What a
+simulation cannot see: allocator fragmentation (it counts blocks, not segments), NCCL's own
+buffers, kernels' workspaces, and time (no step time, no TFLOPs).
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+
+import zero_impl
+from experiments import records
+from experiments.models.megatron_gpt import gpt_loss, initialize_parallel, parameters_per_tp_rank
+from experiments.models.tiny_gpt import synthetic_tokens
+from experiments.points import Point, predicted_memory_bytes, resolve_precision
+from experiments.storage_tracker import KINDS, StorageTracker, label_engine
+
+SIM_STEPS = 2  # optimizer steps: the first creates the optimizer states, the second runs with them
+MEASURED_BY = "simulated"
+
+
+# -- precision --------------------------------------------------------------------------------
+def simulated_precision(point: Point) -> str:
+    """The precision the point's cluster would train in: "auto" is what `resolve_precision`
+    picks on that cluster's GPUs (fp16 on V100, which lacks bf16; bf16 on newer GPUs), or on
+    this machine for the local cluster."""
+    precision = point.train["precision"]
+    if precision != "auto":
+        return precision
+    cluster = point.cluster
+    if cluster.get("device_memory_gb") is None:  # local: what a real run here would use
+        return resolve_precision(precision)
+    text = f"{cluster.get('name', '')} {cluster.get('description', '')}".lower()
+    return "fp16" if "v100" in text else "bf16"
+
+
+def is_gpu_cluster(point: Point) -> bool:
+    return point.cluster.get("device_memory_gb") is not None
+
+
+# -- megatron under fake tensors --------------------------------------------------------------
+@contextlib.contextmanager
+def _fake_safe_rng_tracker():
+    """megatron's RNG tracker whose fork() swaps states as megatron's does but skips its check
+    that the CPU RNG did not move (an `.item()`, impossible on fake tensors)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    tracker = megatron_random._CUDA_RNG_STATE_TRACKER
+    original = type(tracker)
+
+    class FakeSafeTracker(original):
+        @contextlib.contextmanager
+        def fork(self, name=megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"cuda rng state {name} is not added")
+            orig_state = megatron_random._get_cuda_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            megatron_random._set_cuda_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = megatron_random._get_cuda_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                megatron_random._set_cuda_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    tracker.__class__ = FakeSafeTracker
+    try:
+        yield
+    finally:
+        tracker.__class__ = original
+
+
+# -- collectives outside the engine (megatron's tensor parallelism) ---------------------------
+class CollectiveCounter:
+    """Counts the collectives issued through torch.distributed by anything but the engine (whose
+    own go through zero_impl/comm.py and its ledger): megatron's TP all-reduces (forward,
+    backward, the vocabulary-parallel cross entropy). Counting convention of zero_impl/comm.py:
+    an all-reduce moves twice its size, an all-gather its output, a reduce-scatter its input.
+    Patched at call time, so functions megatron bound at import (its sequence-parallel
+    all-gather / reduce-scatter, unused without sequence parallelism) are not seen."""
+
+    NAMES = {"all_reduce": 2, "all_gather_into_tensor": 1, "_all_gather_base": 1, "reduce_scatter_tensor": 1,
+             "_reduce_scatter_base": 1, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
+
+    def __init__(self, groups: dict[str, object]) -> None:
+        self.groups = groups
+        self.counts: dict[tuple[str, str], dict[str, int]] = {}
+        self._saved: dict[str, object] = {}
+
+    def _group_name(self, group) -> str:
+        for name, g in self.groups.items():
+            if g is group:
+                return name
+        return "world" if group is None else "other"
+
+    def _wrap(self, name: str, fn):
+        factor = self.NAMES[name]
+
+        def wrapped(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.endswith(os.path.join("zero_impl", "comm.py")):
+                group = kwargs.get("group")
+                tensors = [a for a in args if torch.is_tensor(a)]
+                lists = [a for a in args if isinstance(a, (list, tuple)) and a and torch.is_tensor(a[0])]
+                if name in ("all_gather_into_tensor", "_all_gather_base"):
+                    numel = tensors[0].numel()                      # the output
+                elif name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+                    numel = tensors[1].numel() if len(tensors) > 1 else tensors[0].numel()  # the input
+                elif name == "all_gather":
+                    numel = sum(t.numel() for t in lists[0]) if lists else 0
+                elif name == "reduce_scatter":
+                    numel = sum(t.numel() for t in lists[0]) if lists else 0
+                else:
+                    numel = tensors[0].numel() if tensors else 0
+                row = self.counts.setdefault((self._group_name(group), name), {"calls": 0, "elements": 0})
+                row["calls"] += 1
+                row["elements"] += factor * numel
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __enter__(self) -> "CollectiveCounter":
+        for name in self.NAMES:
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    def summary(self) -> dict:
+        """{group: {collective: {calls, elements}}}, and the elements per group."""
+        out: dict[str, dict] = {}
+        for (group, name), row in sorted(self.counts.items()):
+            out.setdefault(group, {})[name] = dict(row)
+        return out
+
+
+def tp_allreduce_theory(point: Point) -> int:
+    """Elements megatron's TP all-reduces move per optimizer step on one rank (without sequence
+    parallelism; all-reduce counted twice its size): per layer and micro-batch 2 in forward
+    (attention and MLP outputs), 2 more when backward recomputes the layer, 2 in backward (the
+    inputs' gradients of the QKV and FC1 column-parallel layers), each s·b·h; the embedding's
+    output in forward and the tied output layer's input gradient in backward, s·b·h each; the
+    cross entropy's 3 reductions over the vocabulary shards (max, target logit, sum of exps),
+    s·b each, which megatron issues at TP 1 too (the layers' reductions it skips there)."""
+    s, b, h, layers = point.shape.seq_len, point.micro_batch, point.shape.hidden, point.shape.layers
+    per_layer = 4 + (2 if point.train["recompute"] else 0)
+    per_micro = (0 if point.tp == 1 else (layers * per_layer + 2) * s * b * h) + 3 * s * b
+    return 2 * per_micro * point.train["grad_accum_steps"]
+
+
+# -- one rank's training, measured ------------------------------------------------------------
+def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, foreach: bool | None = None,
+                   fake: bool = True) -> dict:
+    """Build, wrap and train `point` on this rank (torch.distributed is up: the fake backend for
+    a simulation, gloo for a real run), under a StorageTracker; this rank's measurements.
+
+    The same function measures a simulated rank (fake=True: under FakeTensorMode) and a real
+    one (fake=False: real CPU tensors), so the two can be compared (tests/test_simulate.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from experiments.train import _build  # train.py's own build path
+
+    point = Point(**point_dict)
+    t = point.train
+    device = torch.device("cpu")
+    dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
+    torch.manual_seed(t["seed"])
+    tracker = StorageTracker()
+    counter = CollectiveCounter({"tp": tp_group, "dp": dp_group})
+    seconds: dict[str, float] = {}
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    rng = _fake_safe_rng_tracker() if fake else contextlib.nullcontext()
+
+    def phase(name: str | None, step: int | None = None) -> None:
+        """Start phase `name` (None: end the last one), adding up each phase's wall time."""
+        now = time.perf_counter()
+        if tracker.timeline:
+            last = tracker.timeline[-1].phase
+            seconds[last] = seconds.get(last, 0.0) + now - phase.started
+        phase.started = now
+        if name is None:
+            tracker.finish()
+        else:
+            tracker.begin(name, step)
+
+    phase.started = time.perf_counter()
+    with rng, mode, counter, tracker:
+        phase("build")
+        model, init_fn = _build(point, device, zero_impl.config.DTYPES[precision])
+        phase("initialize")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
+                  {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+        extra = {} if foreach is None else {"foreach": foreach}
+        engine = zero_impl.initialize(
+            model, zero_impl.ZeroConfig(stage=point.stage, precision=precision,
+                                        grad_accum_steps=t["grad_accum_steps"], **point.zero),
+            optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999), **extra),
+            param_groups=groups, dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
+        label_engine(tracker, engine)
+        dp_rank = dist.get_rank(dp_group)
+        for step in range(steps):
+            for micro in range(t["grad_accum_steps"]):
+                seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
+                phase("forward", step + 1)
+                tokens = synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed)
+                loss = gpt_loss(engine, tokens)
+                phase("backward")
+                engine.backward(loss)
+                del loss
+                phase("step")
+                engine.step()
+                label_engine(tracker, engine)
+        phase(None)
+        stats = engine.stats()
+    return {"rank": dist.get_rank(), "memory": tracker.summary(), "stats": stats, "tp_traffic": counter.summary(),
+            "phase_seconds": seconds, "steps": steps, "foreach": foreach}
+
+
+def simulate_point(point_dict: dict, precision: str, rank: int = 0, *, steps: int = SIM_STEPS,
+                   foreach: bool | None = None) -> dict:
+    """Play rank `rank` of the point's whole world in this process (fake backend, fake tensors)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    point = Point(**point_dict)
+    if not 0 <= rank < point.gpus:
+        raise ValueError(f"simulate_rank must be in [0, {point.gpus}), got {rank}")
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=point.gpus)
+    try:
+        result = train_measured(point_dict, precision, steps=steps, foreach=foreach, fake=True)
+    finally:
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+# -- records ----------------------------------------------------------------------------------
+def verdict(point: Point, peak_bytes: int) -> dict:
+    """fits: peak + the cluster's CUDA reserve within its device memory (None: unknown device)."""
+    device_gb = point.cluster.get("device_memory_gb")
+    reserve = float(point.cluster.get("cuda_reserve_gb") or 0.0) * 1e9
+    if device_gb is None:
+        return {"fits": None, "device_bytes": None, "cuda_reserve_bytes": reserve, "needed_bytes": peak_bytes + reserve}
+    return {"fits": peak_bytes + reserve <= device_gb * 1e9, "device_bytes": device_gb * 1e9,
+            "cuda_reserve_bytes": reserve, "needed_bytes": peak_bytes + reserve}
+
+
+def simulated_record(point: Point, precision: str, result: dict | None, error: str | None, started: str,
+                     rank: int = 0) -> dict:
+    """The record of a simulated point: status ok (fits) or oom (does not), `measured_by`
+    "simulated", memory.peak_bytes with the breakdown by kind and the timeline by phase,
+    the engine's traffic beside 2Ψ/3Ψ and megatron's TP all-reduces beside their count."""
+    from experiments.analysis.memory import predicted_for_engine
+    from experiments.train import build_record, classify_failure
+
+    analytic = predicted_memory_bytes(point, precision)
+    if result is None:
+        status = "fail" if error and "out of memory" not in error.lower() else "oom"
+        record = build_record(point, precision, "simulate", status, None, error, started)
+        record.update(measured_by=MEASURED_BY, simulated_rank=rank)
+        record["memory"]["predicted_peak"] = _analytic(analytic)
+        return record
+    mem, stats = result["memory"], result["stats"]
+    v = verdict(point, mem["peak_bytes"])
+    status = "ok" if v["fits"] is not False else "oom"
+    cause, error = oom_cause(mem, v), None
+    if status == "oom":
+        breakdown = ", ".join(f"{k} {mem['peak_by_kind'][k] / 1e9:.2f}" for k in KINDS if mem["peak_by_kind"][k])
+        why = ("without them the peak would fit: activations are the cause (ZeRO-R's partitioned activations "
+               "and CPU checkpointing address them)" if cause == "activations" else "even without activations it "
+               f"does not fit: the largest kind is {cause}")
+        error = (f"simulated out of memory: peak {mem['peak_bytes'] / 1e9:.2f} GB (in {mem['peak_phase']}) + "
+                 f"{v['cuda_reserve_bytes'] / 1e9:.2f} GB CUDA reserve > {v['device_bytes'] / 1e9:.0f} GB; "
+                 f"at the peak ({breakdown} GB) {why}")
+    record = build_record(point, precision, "simulate", status, None, error, started)
+    theory = (3 if point.stage == 3 else 2) * stats["psi"] if point.dp > 1 else 0
+    last = stats["comm"]["last_step"]
+    megatron_tp = result["tp_traffic"].get("tp", {})
+    record.update(
+        measured_by=MEASURED_BY, simulated_rank=rank,
+        params_per_gpu=stats["psi"], padded_params_per_gpu=stats["padded_psi"],
+        memory={"predicted": predicted_for_engine(stats), "predicted_peak": _analytic(analytic),
+                "measured": stats["memory"], "measured_max_over_ranks": stats["memory"],
+                "peak_bytes": mem["peak_bytes"], "peak_by_kind": mem["peak_by_kind"], "peak_phase": mem["peak_phase"],
+                "host_peak_bytes": mem["host_peak_bytes"], "rounding": mem["rounding"], "timeline": mem["timeline"],
+                **v, "cause": cause},
+        comm={"elements_per_step": last["elements"], "bytes_per_step": last["bytes"],
+              "theory_elements_per_step": theory, "by_kind": last["by_kind"], "by_purpose": last["by_purpose"],
+              "loss_scale": stats["loss_scale"], "skipped_steps": stats["skipped_steps"],
+              "tp_megatron": {"counted": megatron_tp,
+                              "elements_per_step": sum(r["elements"] for r in megatron_tp.values()) // result["steps"],
+                              "theory_elements_per_step": tp_allreduce_theory(point),
+                              "how": "torch.distributed calls outside zero_impl on megatron's TP group, counted by "
+                                     "a wrapper (experiments/simulate.py CollectiveCounter), per optimizer step"},
+              "other_groups": {g: v for g, v in result["tp_traffic"].items() if g != "tp"}},
+        simulation={"steps": result["steps"], "wall_s": result.get("wall_s"), "phase_seconds": result["phase_seconds"],
+                    "optimizer_foreach": result["foreach"], "rank": rank},
+    )
+    return record
+
+
+def oom_cause(mem: dict, v: dict) -> str | None:
+    """What a point that does not fit runs out on: "activations" when the peak without them
+    would fit (the Figure 2 points the paper trains with ZeRO-R's Pa), else the largest kind at
+    the peak. None when it fits or the device is unknown."""
+    if v["fits"] is not False:
+        return None
+    kinds = mem["peak_by_kind"]
+    if mem["peak_bytes"] - kinds.get("activations", 0) + v["cuda_reserve_bytes"] <= v["device_bytes"]:
+        return "activations"
+    return max((k for k in KINDS if k != "activations"), key=lambda k: kinds.get(k, 0))
+
+
+def _analytic(predicted: dict) -> dict:
+    return {k: predicted[k] for k in ("model_states", "activations", "buffers", "total")}
+
+
+# -- running points in child processes --------------------------------------------------------
+def _child(conn, point_dict: dict, precision: str, rank: int, foreach: bool | None) -> None:
+    from experiments.launch import _die_with_parent
+    _die_with_parent()
+    torch.set_num_threads(1)
+    try:
+        result = simulate_point(point_dict, precision, rank, foreach=foreach)
+        conn.send_bytes(pickle.dumps((True, result)))
+    except BaseException:
+        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+    finally:
+        conn.close()
+
+
+def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
+                  on_done=None) -> list[dict]:
+    """Simulate `points`, each in a process of its own (forked), `workers` at a time (default:
+    the CPU count); write each record to results_dir/simulated/<point_id>.json as it ends."""
+    ctx = multiprocessing.get_context("fork")
+    workers = max(1, workers or os.cpu_count() or 1)
+    pending, running, out = list(points), [], {}
+    while pending or running:
+        while pending and len(running) < workers:
+            point = pending.pop(0)
+            precision = simulated_precision(point)
+            parent, child = ctx.Pipe(duplex=False)
+            foreach = True if is_gpu_cluster(point) else None
+            proc = ctx.Process(target=_child, args=(child, point.as_dict(), precision, rank, foreach), daemon=True)
+            proc.start()
+            child.close()
+            running.append((point, precision, proc, parent, records.now(), time.monotonic()))
+        time.sleep(0.05)
+        for item in list(running):
+            point, precision, proc, conn, started, t0 = item
+            result, error = None, None
+            if conn.poll():
+                try:
+                    ok, payload = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
+                result, error = (payload, None) if ok else (None, payload)
+            elif not proc.is_alive():
+                error = f"simulation process died with exit code {proc.exitcode}"
+            elif time.monotonic() - t0 > point.train["timeout_s"]:
+                proc.kill()
+                error = f"simulation timed out after {point.train['timeout_s']:.0f} s"
+            else:
+                continue
+            running.remove(item)
+            proc.join(5)
+            conn.close()
+            record = simulated_record(point, precision, result, error, started, rank)
+            if error and "timed out" in error:
+                record["status"] = "timeout"
+            path = simulated_path(results_dir, point)
+            records.write_record(path, record)
+            out[point.point_id] = record
+            if on_done:
+                on_done(point, record)
+    return [out[p.point_id] for p in points]
+
+
+def simulated_path(results_dir: Path, point: Point) -> Path:
+    """Simulated records live apart from hardware ones (a simulated `ok` must never make a
+    real sweep skip a point): <results_dir>/simulated/<point_id>.json."""
+    return results_dir / "simulated" / f"{point.point_id}.json"
+
+
+# -- the sweep's simulate=true ----------------------------------------------------------------
+def check_simulate_rank(points: list[Point], rank: int) -> None:
+    from experiments.points import ConfigError
+    for point in points:
+        if not 0 <= rank < point.gpus:
+            raise ConfigError(f"point ({point.describe()}): simulate_rank must be in [0, {point.gpus}), got {rank}")
+
+
+def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int = 0,
+                        force: bool = False) -> int:
+    """sweep.py simulate=true: every point simulated (those with an ok simulated record skipped
+    unless force), records under results_dir/simulated/, a summary printed and written there."""
+    check_simulate_rank(points, rank)
+    todo = []
+    for point in points:
+        existing = records.read_record(simulated_path(results_dir, point))
+        if existing and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank and not force:
+            print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
+        else:
+            todo.append(point)
+    started = time.perf_counter()
+
+    def done(point: Point, record: dict) -> None:
+        wall = (record.get("simulation") or {}).get("wall_s")
+        print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else ""), file=sys.stderr, flush=True)
+
+    run_simulated(todo, results_dir, rank=rank, workers=workers or None, on_done=done)
+    rows = simulated_summary_rows(points, results_dir)
+    print(simulated_summary_markdown(rows))
+    if rows:
+        from experiments.sweep import write_summary_csv
+        write_summary_csv(rows, results_dir / "simulated" / "summary.csv")
+    print(f"simulated {len(todo)} points in {time.perf_counter() - started:.0f} s (rank {rank}); "
+          f"records and summary.csv in {results_dir / 'simulated'}")
+    return 0
+
+
+def simulated_summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
+    rows = []
+    for point in points:
+        r = records.read_record(simulated_path(results_dir, point)) or {}
+        mem, comm = r.get("memory", {}), r.get("comm", {})
+        kinds = mem.get("peak_by_kind") or {}
+        gb = 1e9
+        states = sum(kinds.get(k, 0) for k in ("params", "grads", "optimizer_states"))
+        rows.append({
+            "model": point.model["name"], "params_B": round(r.get("params", 0) / gb, 3), "gpus": point.gpus,
+            "tp": point.tp, "dp": point.dp, "stage": point.stage, "micro_batch": point.micro_batch,
+            "note": point.note, "precision": r.get("precision"),
+            "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
+            "states_GB": states / gb if kinds else None,
+            "activations_GB": kinds.get("activations", 0) / gb if kinds else None,
+            "buffers_GB": (kinds.get("buffers", 0) + kinds.get("gathered_params", 0)) / gb if kinds else None,
+            "temporaries_GB": kinds.get("temporaries", 0) / gb if kinds else None,
+            "peak_phase": mem.get("peak_phase"),
+            "analytic_GB": mem.get("predicted_peak", {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
+            "reserve_GB": mem.get("cuda_reserve_bytes", 0) / gb if "peak_bytes" in mem else None,
+            "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
+            "cause": mem.get("cause") if r.get("status") == "oom" else None,
+            "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
+            "tp_elements": (comm.get("tp_megatron") or {}).get("elements_per_step"),
+            "tp_theory": (comm.get("tp_megatron") or {}).get("theory_elements_per_step"),
+            "status": r.get("status", "missing"), "measured_by": r.get("measured_by", MEASURED_BY),
+            "sim_wall_s": (r.get("simulation") or {}).get("wall_s"), "point_id": point.point_id})
+    return rows
+
+
+def simulated_summary_markdown(rows: list[dict]) -> str:
+    def num(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+    lines = ["| model | params (B) | GPUs | TP | DP | stage | micro-batch | peak (GB, simulated) | states | activations "
+             "| buffers | temporaries | analytic (GB) | + reserve | device | status | cause | comm/step | theory "
+             "| TP comm/step | TP theory |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['params_B']:.3f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} "
+            f"| {r['micro_batch']} | {num(r['peak_GB'])} | {num(r['states_GB'])} | {num(r['activations_GB'])} "
+            f"| {num(r['buffers_GB'])} | {num(r['temporaries_GB'])} | {num(r['analytic_GB'])} | {num(r['reserve_GB'])} "
+            f"| {num(r['device_GB'], '{:.0f}')} | {r['status']} | {r['cause'] or '-'} "
+            f"| {num(r['comm_elements'], '{:,}')} | {num(r['comm_theory'], '{:,}')} "
+            f"| {num(r['tp_elements'], '{:,}')} | {num(r['tp_theory'], '{:,}')} |")
+    return "\n".join(lines)
+
+
+def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> int:
+    """train.py simulate=true: simulate `point` in this process, write its record under
+    results_dir/<experiment>/simulated/, print its summary row; 0 unless the simulation failed
+    (a point that does not fit is a successful simulation: its record says oom)."""
+    check_simulate_rank([point], rank)
+    precision, started = simulated_precision(point), records.now()
+    try:
+        result, error = simulate_point(point.as_dict(), precision, rank,
+                                       foreach=True if is_gpu_cluster(point) else None), None
+    except Exception:
+        result, error = None, traceback.format_exc()
+    record = simulated_record(point, precision, result, error, started, rank)
+    experiment_dir = results_dir / point.experiment
+    path = simulated_path(experiment_dir, point)
+    records.write_record(path, record)
+    print(simulated_summary_markdown(simulated_summary_rows([point], experiment_dir)))
+    print(f"{record['status']}: {path}" + (f"\n{record['error']}" if record.get("error") else ""))
+    return 0 if result is not None else 1
