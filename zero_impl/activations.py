@@ -30,9 +30,14 @@ for each checkpoint). Pa's all-gathers go through the engine's Communicator: cou
 ledger under the purpose "activations" (all-gather convention: the output, s·b·h elements per
 checkpoint and recomputation).
 
-Gathers and host-to-device copies land in reused buffers (CB): a buffer is reused once nothing
-else holds its storage (torch's storage use count), so in the usual sequential backward one
-gather buffer of one checkpoint's size serves every layer.
+Gathers and host-to-device copies land in reused buffers (CB). A gathered checkpoint's buffer
+is taken until autograd releases the checkpoint, right after its layer's backward (the
+reentrant checkpoint's node), so in the usual sequential backward one gather buffer of one
+checkpoint's size serves every layer; a host slice's device copy is given back once gathered.
+The contract, which reentrant checkpoints keep: the tensor a checkpoint is restored to is not
+used after its layer's backward. A non-reentrant checkpoint (torch's use_reentrant=False) saves
+under saved-tensor hooks of its own and is not seen: the engine then says the forward saved
+no checkpoint (ValueError naming the key).
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ class _Checkpoint:
         self.pool = "device"
         self.slot: int | None = None            # MD arena slot
         self.outer = None                       # what saved-tensor hooks outside the engine made of `part`
-        self.ready: Any = None                  # (device copy, CUDA event or None) once prefetched
+        self.ready: Any = None                  # (pool index, device copy, CUDA event or None) once prefetched
 
 
 class _Arena:
@@ -83,42 +88,43 @@ class _Arena:
 
 
 class _BufferPool:
-    """CB: flat buffers reused once nothing else holds their storage; records their bytes.
-    `get` hands out a view, so that whoever holds it (autograd, a pending prefetch) keeps the
-    buffer from being handed out again."""
+    """CB: flat buffers handed out and given back, reused whenever one of the right size is
+    free; records their bytes (more than one buffer only when lifetimes overlap)."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
+        self.busy: list[int | None] = []  # the owner (a checkpoint's index) of each buffer taken
         self.peak_bytes = 0
-        self.allocated = 0  # buffers allocated in all (more than one: lifetimes overlapped)
 
-    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        for i, buf in enumerate(self.buffers):
-            if buf.dtype == dtype and buf.device == device and buf.numel() == numel and _unused(buf):
-                return buf[:]
-        # none free of this size: replace a free one of another size, or add one
-        for i, buf in enumerate(self.buffers):
-            if _unused(buf):
-                self.buffers[i] = buf = torch.empty(numel, dtype=dtype, device=device)
-                break
-        else:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self.buffers.append(buf)
-        self.allocated += 1
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        return buf[:]
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, owner: int) -> tuple[int, torch.Tensor]:
+        free = [i for i, busy in enumerate(self.busy) if busy is None]
+        fitting = [i for i in free if (self.buffers[i].numel(), self.buffers[i].dtype, self.buffers[i].device)
+                   == (numel, dtype, device)]
+        if fitting:
+            i = fitting[0]
+        else:  # replace a free buffer of another size, or add one
+            if free:
+                i = free[0]
+                self.buffers[i] = None  # the old one goes before the new one is allocated
+            else:
+                i = len(self.buffers)
+                self.buffers.append(None)
+                self.busy.append(None)
+            self.buffers[i] = torch.empty(numel, dtype=dtype, device=device)
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self.busy[i] = owner
+        return i, self.buffers[i]
+
+    def give_back(self, i: int, owner: int) -> None:
+        if i < len(self.busy) and self.busy[i] == owner:
+            self.busy[i] = None
 
     @property
     def bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
 
     def clear(self) -> None:
-        self.buffers = []
-
-
-def _unused(buf: torch.Tensor) -> bool:
-    """Whether `buf` is the only tensor using its storage (no view of it is alive anywhere)."""
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2  # buf + the storage object asked
+        self.buffers, self.busy = [], []
 
 
 class ActivationCheckpoints:
@@ -127,7 +133,6 @@ class ActivationCheckpoints:
     def __init__(self, module: nn.Module, layers: list[nn.Module], mp: Communicator, *, partition: bool,
                  cpu: bool, contiguous: bool, number_checkpoints: int | None) -> None:
         self.mp, self.partition, self.cpu, self.contiguous = mp, partition, cpu, contiguous
-        self.module = module
         self.number_checkpoints = number_checkpoints or len(layers)
         self.layers = layers
         self.handles = [m.register_forward_pre_hook(WeakHook(self._on_layer), with_kwargs=True, prepend=True)
@@ -257,19 +262,21 @@ class ActivationCheckpoints:
                 self._prefetch(ckpt)
             else:
                 self.counts["prefetched"] += 1
-            part, event = ckpt.ready
+            copy, part, event = ckpt.ready
             ckpt.ready = None
             if event is not None:
                 torch.cuda.current_stream(ckpt.device).wait_event(event)
         if self.partition:
-            gathered = self.gather_pool.get(part.numel() * self.mp.size, ckpt.dtype, ckpt.device)
+            index, gathered = self.gather_pool.take(part.numel() * self.mp.size, ckpt.dtype, ckpt.device, ckpt.index)
+            weakref.finalize(ckpt, _give_back, weakref.ref(self.gather_pool), index, ckpt.index)  # after its backward
             self.mp.all_gather(gathered, part, purpose=PURPOSE)
             self.counts["gathers"] += 1
             self.counts["gathered_elements"] += gathered.numel()
             full = gathered[:ckpt.numel]
+            if ckpt.pool == "host":
+                self.prefetch_pool.give_back(copy, ckpt.index)  # read by the gather (before any later copy on CUDA)
         else:
-            full = part
-        del part  # a device copy of a host slice has been read: its buffer may take the next one
+            full = part  # the device copy itself: given back when the checkpoint goes
         if ckpt.pool == "host":
             below = self._next_below(ckpt.index)
             if below is not None:
@@ -291,7 +298,8 @@ class ActivationCheckpoints:
         """Start copying a host checkpoint back to its device (asynchronously on CUDA)."""
         if ckpt.ready is not None or ckpt.pool != "host":
             return
-        dst = self.prefetch_pool.get(ckpt.part.numel(), ckpt.dtype, ckpt.device)
+        index, dst = self.prefetch_pool.take(ckpt.part.numel(), ckpt.dtype, ckpt.device, ckpt.index)
+        weakref.finalize(ckpt, _give_back, weakref.ref(self.prefetch_pool), index, ckpt.index)  # if never used
         event = None
         if ckpt.device.type == "cuda":
             stream = self._side_stream()
@@ -302,7 +310,7 @@ class ActivationCheckpoints:
                 event.record(stream)
         else:
             dst.copy_(ckpt.part)
-        ckpt.ready = (dst, event)
+        ckpt.ready = (index, dst, event)
 
     def _side_stream(self):
         if self.stream is None:
@@ -374,6 +382,7 @@ class _ForwardContext:
         owner.in_forward = torch.is_grad_enabled()
         owner.outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         owner.candidates.clear()
+        owner.live = {i: ref for i, ref in owner.live.items() if ref() is not None}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(owner._pack, owner._unpack)
         self.hooks.__enter__()
 
@@ -381,6 +390,12 @@ class _ForwardContext:
         self.hooks.__exit__(*exc)
         self.owner.in_forward = False
         self.owner.candidates.clear()
+
+
+def _give_back(pool_ref: weakref.ref, index: int, owner: int) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool.give_back(index, owner)
 
 
 def _release_slot(arena_ref: weakref.ref, slot: int) -> None:
