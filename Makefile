@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test run bench gpu-check compare clean
+.PHONY: setup test test-matrix run bench gpu-check compare clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,19 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The numerical tests under every CPU kernel family and thread count this CPU allows
+# (a verdict must not depend on which CPU runs it); CPU_CAPS/THREADS narrow it.
+NUMERICAL := tests/test_parity.py tests/test_megatron_tp.py tests/test_stage3.py tests/test_stage3_schedule.py \
+             tests/test_fp16_overflow.py tests/test_memory_comm.py tests/test_megatron_init.py tests/test_zero_r.py \
+             tests/test_checkpoint.py tests/test_construction_memory.py tests/test_engine_lifetime.py
+CPU_CAPS  ?= default avx2 $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
+THREADS   ?= 1 2
+test-matrix: $(STAMP)
+	@set -e; for cap in $(CPU_CAPS); do echo "== ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -p no:cacheprovider $(NUMERICAL); done; \
+	for n in $(THREADS); do echo "== OMP_NUM_THREADS=$$n"; \
+	  OMP_NUM_THREADS=$$n $(BIN)/python -m pytest -q -p no:cacheprovider $(NUMERICAL); done
 
 run: $(STAMP)
 	$(BIN)/python experiments/sweep.py stage=2
