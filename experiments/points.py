@@ -29,7 +29,8 @@ from .schema import ModelConfig, TrainSettings
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 AXES = ("model", "stage", "gpus", "tp", "micro_batch")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-FAULTS = ("none", "raise", "hang")
+FAULTS = ("none", "raise", "hang", "slow")
+NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir")  # train.* that leave results alone
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 
 
@@ -85,7 +86,7 @@ class Point:
     def point_id(self) -> str:
         """Readable and unique: the axes, the note, and a hash of everything else."""
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
-        settings["train"] = {k: v for k, v in self.train.items() if k != "timeout_s"}
+        settings["train"] = {k: v for k, v in self.train.items() if k not in NOT_HASHED}
         if settings["train"]["precision"] == "auto":  # auto means fp32 on CPU, half precision on GPUs
             settings["train"]["precision"] = "auto-gpu" if torch.cuda.is_available() else "auto-cpu"
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
@@ -176,6 +177,8 @@ def _check_train(train: DictConfig) -> dict:
     for key in ("grad_accum_steps", "steps"):
         if t[key] < 1:
             raise ConfigError(f"train.{key} must be a positive integer, got {t[key]!r}")
+    if t["checkpoint_every"] < 0:
+        raise ConfigError(f"train.checkpoint_every must be >= 0, got {t['checkpoint_every']!r}")
     if t["warmup_steps"] < 0:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {t['warmup_steps']!r}")
     if not t["timeout_s"] > 0:

@@ -28,12 +28,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+import zero_impl
 from experiments import records
 from experiments.cli import preflight_or_exit
 from experiments.points import (ConfigError, Point, check_runnable_here, expand, local_devices,
                                 predicted_memory_bytes, resolve_precision)
 from experiments.schema import register
-from experiments.train import build_record, classify_failure, run_as_rank, train_rank
+from experiments.train import (build_record, checkpoint_root, classify_failure, run_as_rank, train_rank,
+                               with_checkpoint_dir)
 from experiments.launch import spawn
 from experiments.models.megatron_gpt import parameter_count
 
@@ -50,13 +52,16 @@ def run_point(point: Point, launcher: str, results_dir: Path) -> dict:
         launcher = "spawn" if torch.cuda.is_available() else "fork"
     if launcher == "torchrun":
         return _run_with_torchrun(point, precision, path, started)
+    root = checkpoint_root(point, results_dir)
     try:
-        results = spawn(train_rank, point.gpus, point.as_dict(), precision, start_method=launcher,
+        results = spawn(train_rank, point.gpus, with_checkpoint_dir(point, results_dir), precision, start_method=launcher,
                         timeout=point.train["timeout_s"])
         record = build_record(point, precision, launcher, "ok", results, None, started)
     except Exception as e:  # a rank failed, died or hung: record it and go on
         status, text = classify_failure(e)
-        record = build_record(point, precision, launcher, status, None, text, started)
+        latest = zero_impl.checkpoint.latest(root) if root.exists() else None
+        record = build_record(point, precision, launcher, status, None, text, started,
+                              resume={"checkpoint": str(latest) if latest else None})
     records.write_record(path, record)
     return record
 

@@ -43,8 +43,37 @@ from experiments.models.tiny_gpt import synthetic_tokens
 META_BUILD_PARAMS = 1e9  # stage 3 builds models above this size on the meta device, unit by unit
 
 
-def train_rank(point_dict: dict, precision: str) -> dict:
-    """Train one point on this rank (torch.distributed is up); return this rank's measurements."""
+class Preempted(Exception):
+    """The launcher asked the point to stop (Slurm's signal before the time limit): the ranks
+    saved a checkpoint after `step` completed steps."""
+
+    def __init__(self, step: int, checkpoint: str) -> None:
+        super().__init__(f"stopped after step {step} at the launcher's request (Slurm's signal before the "
+                         f"time limit); resume from {checkpoint} with train.resume=true")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def checkpoint_root(point: Point, experiment_dir: Path) -> Path:
+    """Where a point's checkpoints go: train.checkpoint_dir, else <experiment folder>/checkpoints/<point id>."""
+    return Path(point.train["checkpoint_dir"]) if point.train["checkpoint_dir"] else \
+        experiment_dir / "checkpoints" / point.point_id
+
+
+def with_checkpoint_dir(point: Point, experiment_dir: Path) -> dict:
+    """point.as_dict() with train.checkpoint_dir resolved (checkpoint_root), for train_rank."""
+    resolved = point.as_dict()
+    resolved["train"]["checkpoint_dir"] = str(checkpoint_root(point, experiment_dir))
+    return resolved
+
+
+def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
+    """Train one point on this rank (torch.distributed is up); return this rank's measurements.
+
+    Checkpoints (zero_impl.checkpoint) go to train.checkpoint_dir/step_<N> every train.checkpoint_every
+    steps, and when the file named by $ZERO_REPRO_STOP_FILE appears (slurm/launch.sh creates it
+    on Slurm's signal before the time limit): then the ranks save and raise Preempted. With
+    train.resume, training starts from the latest complete checkpoint there, losses and step
+    times included. `on_step(steps done, latest checkpoint)` is called after every step."""
     point = Point(**point_dict)
     t = point.train
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -62,8 +91,17 @@ def train_rank(point_dict: dict, precision: str) -> dict:
         dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
     dp_rank = dist.get_rank(dp_group)
     losses, times, activation_bytes = [], [], 0
-    for step in range(t["warmup_steps"] + t["steps"]):
-        if t["fault"] != "none" and step == min(1, t["warmup_steps"] + t["steps"] - 1) and dist.get_rank() == 0:
+    start, saved, resumed_from = 0, None, None
+    root = Path(t["checkpoint_dir"]) if t["checkpoint_dir"] else None
+    if t["resume"] and root is not None and zero_impl.checkpoint.latest(root) is not None:
+        saved = resumed_from = str(zero_impl.checkpoint.latest(root))
+        progress = zero_impl.checkpoint.load(engine, saved)
+        start, losses, times = progress["step"], progress["losses"], progress["step_times_s"]
+    stop_file = os.environ.get("ZERO_REPRO_STOP_FILE")
+    if on_step is not None:
+        on_step(start, saved)
+    for step in range(start, t["warmup_steps"] + t["steps"]):
+        if t["fault"] in ("raise", "hang") and step == min(1, t["warmup_steps"] + t["steps"] - 1) and dist.get_rank() == 0:
             _inject(t["fault"])
         _sync(device)
         dist.barrier()
@@ -72,7 +110,7 @@ def train_rank(point_dict: dict, precision: str) -> dict:
         for micro in range(t["grad_accum_steps"]):
             seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
             tokens = synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed).to(device)
-            if step == 0 and micro == 0:  # measure what forward saves for backward, once
+            if step == start and micro == 0:  # measure what forward saves for backward, once
                 with SavedActivations(model) as saved:
                     loss = gpt_loss(engine, tokens)
                 activation_bytes = saved.bytes
@@ -87,6 +125,16 @@ def train_rank(point_dict: dict, precision: str) -> dict:
             times.append(time.perf_counter() - start)
         dist.all_reduce(total, group=dp_group)
         losses.append(total.item() / dist.get_world_size(dp_group))
+        if t["fault"] == "slow":
+            time.sleep(1.0)
+        stop = _stop_requested(stop_file, device)
+        if root is not None and (stop or t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0):
+            saved = str(zero_impl.checkpoint.save(engine, root / f"step_{step + 1}",
+                                                  extra={"step": step + 1, "losses": losses, "step_times_s": times}))
+        if on_step is not None:
+            on_step(step + 1, saved)
+        if stop:
+            raise Preempted(step + 1, saved)
     stats = engine.stats()
     memory = stats["memory"]
     memory["activations_saved"] = activation_bytes
@@ -95,7 +143,17 @@ def train_rank(point_dict: dict, precision: str) -> dict:
     if device.type == "cuda":
         memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
         memory["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
-    return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats}
+    return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats,
+            "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from}}
+
+
+def _stop_requested(stop_file: str | None, device: torch.device) -> bool:
+    """Whether any rank sees the stop file (all ranks agree: they stop after the same step)."""
+    if not stop_file:
+        return False
+    flag = torch.tensor([float(os.path.exists(stop_file))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _build(point: Point, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -180,8 +238,9 @@ def _sync(device: torch.device) -> None:
 
 # -- records ---------------------------------------------------------------------------------
 def build_record(point: Point, precision: str, launcher: str, status: str, results: list[dict] | None,
-                 error: str | None, started: str) -> dict:
-    """The result record of one point, from every rank's measurements (or the error)."""
+                 error: str | None, started: str, resume: dict | None = None) -> dict:
+    """The result record of one point, from every rank's measurements (or the error). `resume`:
+    {last_step, checkpoint, resumed_from} (ok records take it from rank 0's results)."""
     shape = point.shape
     recompute = point.train["recompute"]
     flops = model_flops_per_iteration(batch=point.global_batch, seq_len=shape.seq_len, layers=shape.layers,
@@ -200,6 +259,7 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         "memory": {"predicted": predicted_model_state_bytes(point, precision)}, "comm": {}, "losses": [],
         "error": error, "versions": records.versions(), "hardware": records.hardware(),
         "started": started, "finished": records.now(),
+        "resume": resume if resume is not None else (results[0].get("resume") if results else None),
     }
     if status == "ok" and results:
         rank0 = results[0]
@@ -262,23 +322,59 @@ def run_as_rank(point: Point, results_dir: Path, launcher: str) -> None:
     precision = resolve_precision(point.train["precision"])
     path = results_dir / point.experiment / f"{point.point_id}.json"
     started = records.now()
+    root = checkpoint_root(point, results_dir / point.experiment)
+    pending = PendingTimeout(path, build_record(point, precision, launcher, "timeout", None, "", started)) \
+        if rank == 0 and os.environ.get("ZERO_REPRO_STOP_FILE") else None
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        result = train_rank(point.as_dict(), precision)
+        result = train_rank(with_checkpoint_dir(point, results_dir / point.experiment), precision, on_step=pending)
         results = [None] * world
         dist.all_gather_object(results, result)
         if rank == 0:
             records.write_record(path, build_record(point, precision, launcher, "ok", results, None, started))
+    except Preempted as e:  # saved before the time limit: the record says where to resume
+        if rank == 0:
+            records.write_record(path, build_record(point, precision, launcher, "timeout", None, str(e), started,
+                                                    resume={"last_step": e.step, "checkpoint": e.checkpoint}))
+        raise
     except Exception as e:  # a record that says why, then the rank's non-zero exit
         status, _ = classify_failure(e)
         if rank == 0:
             records.write_record(path, build_record(point, precision, launcher, status, None,
-                                                    traceback.format_exc(), started))
+                                                    traceback.format_exc(), started,
+                                                    resume=_resume_point(root)))
         raise
     finally:
+        if pending is not None:
+            pending.discard()
         dist.destroy_process_group()
+
+
+def _resume_point(root: Path) -> dict:
+    latest = zero_impl.checkpoint.latest(root) if root.exists() else None
+    return {"checkpoint": str(latest) if latest else None}
+
+
+class PendingTimeout:
+    """Under Slurm (slurm/launch.sh), rank 0 keeps `<record>.pending`: the point's record as it
+    would read if Slurm ended the job now (status timeout, the last step and checkpoint). The
+    launcher's TERM trap renames it to the record; a rank that writes a real record discards it."""
+
+    def __init__(self, record_path: Path, record: dict) -> None:
+        self.path, self.record = Path(f"{record_path}.pending"), record
+
+    def __call__(self, step: int, checkpoint: str | None) -> None:
+        self.record["resume"] = {"last_step": step, "checkpoint": checkpoint}
+        self.record["error"] = (f"ended by Slurm (time limit or scancel) after step {step}; "
+                                + (f"resume from {checkpoint} with train.resume=true" if checkpoint else
+                                   "no checkpoint yet (train.checkpoint_every)"))
+        self.record["finished"] = records.now()
+        records.write_record(self.path, self.record)
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

@@ -9,6 +9,14 @@
 # results/slurm/<job id>/, beside job_status.json, which is written however the job ends (ok,
 # invalid, fail, or timeout when Slurm ends the job at its time limit).
 #
+# Time limits: the run_*.sh scripts ask Slurm for USR1 shortly before the limit (#SBATCH
+# --signal=B:USR1@<s>) and for --requeue. On USR1 this script creates $ZERO_REPRO_STOP_FILE; the
+# ranks see it after their current step, save a checkpoint (zero_impl.checkpoint), write the
+# point's record as "timeout" with the step reached and the checkpoint, and exit; the job then
+# requeues itself, and the next run (SLURM_RESTART_COUNT > 0) resumes from that checkpoint
+# (train.resume=true). If the job is killed without warning, the trap on TERM turns the record
+# rank 0 keeps ready (<record>.pending: status timeout, last step, last checkpoint) into the record.
+#
 # Environment: ZERO_REPRO_DIR (default: the sbatch submission directory), PYTHON (default: the
 # repository's .venv), GPUS_PER_NODE (default: Slurm's SLURM_GPUS_ON_NODE, else gpus / nodes),
 # ZERO_REPRO_SLURM_RESULTS (default: results/slurm).
@@ -24,6 +32,12 @@ mkdir -p "$JOB_DIR"
 LOG="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p' | head -n 1)"
 
 OVERRIDES=("$@")
+
+finalize_pending() {  # records rank 0 kept ready (experiments/train.py PendingTimeout); never over an ok one
+    find "$JOB_DIR" -name '*.json.pending' 2>/dev/null | while read -r pending; do
+        if grep -qs '"status": "ok"' "${pending%.pending}"; then rm -f "$pending"; else mv -f "$pending" "${pending%.pending}"; fi
+    done
+}
 
 write_status() {  # status exit_code message
     "$PYTHON" - "$JOB_DIR/job_status.json" "$1" "$2" "$3" "$JOB" "$LOG" "${OVERRIDES[@]}" <<'PY'
@@ -64,8 +78,15 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export ZERO_REPRO_LAUNCHER="slurm"
+export ZERO_REPRO_STOP_FILE="$JOB_DIR/stop_requested"
+rm -f "$ZERO_REPRO_STOP_FILE"
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+    set -- "$@" train.resume=true  # a requeued job continues from its latest checkpoint
+    OVERRIDES=("$@")
+fi
 
-trap 'write_status timeout 143 "ended by Slurm (time limit or scancel)"; kill -TERM "$PID" 2>/dev/null; wait "$PID"; exit 143' TERM INT
+trap 'write_status timeout 143 "ended by Slurm (time limit or scancel)"; kill -TERM "$PID" 2>/dev/null; wait "$PID"; finalize_pending; exit 143' TERM INT
+trap 'echo "job $JOB: USR1, the time limit is near: the ranks checkpoint and stop"; touch "$ZERO_REPRO_STOP_FILE"' USR1
 echo "job $JOB: $NODES node(s) x $PER_NODE ranks, rendezvous $HEAD:$PORT, records in $JOB_DIR"
 echo "overrides: $*"
 write_status running - "started on $NODES node(s) x $PER_NODE"
@@ -74,8 +95,19 @@ srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1
     --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$JOB" \
     "$REPO/experiments/train.py" "results_dir=$JOB_DIR" "$@" &
 PID=$!
-wait "$PID"
-CODE=$?
+while true; do  # a trapped USR1 interrupts `wait`: wait again until the ranks have exited
+    wait "$PID"
+    CODE=$?
+    kill -0 "$PID" 2>/dev/null || break
+done
+finalize_pending
+if [ -e "$ZERO_REPRO_STOP_FILE" ] && [ "$CODE" -ne 0 ]; then
+    trap - TERM INT
+    write_status timeout "$CODE" "checkpointed at Slurm's warning before the time limit; requeued to resume (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
+    echo "job $JOB: checkpointed before the time limit; requeueing"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
 if [ "$CODE" -eq 0 ]; then
     write_status ok 0 "records in $JOB_DIR"
 else
