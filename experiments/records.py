@@ -42,7 +42,14 @@ def validate_record(record: dict) -> list[str]:
                  for k, types in SCHEMA.items() if k in record and not isinstance(record[k], types)]
     if record.get("status") not in STATUSES:
         problems.append(f"status {record.get('status')!r} not in {list(STATUSES)}")
-    if record.get("status") == "ok":
+    if record.get("measured_by") == "simulated":  # experiments/simulate.py: memory and traffic, no time
+        if record.get("status") in ("ok", "oom") and not isinstance(record.get("memory", {}).get("peak_bytes"), int):
+            problems.append(f"simulated {record['status']} record without memory.peak_bytes")
+        if record.get("status") in ("ok", "oom") and record.get("tflops_per_gpu") is not None:
+            problems.append("a simulated record has no TFLOPs (nothing is timed)")
+        if record.get("status") != "ok" and not record.get("error"):
+            problems.append(f"{record.get('status')} record without an error text")
+    elif record.get("status") == "ok":
         problems += [f"ok record without {k!r}" for k in OK_NUMBERS if not isinstance(record.get(k), float)]
         for kind in ("predicted", "measured"):
             if not isinstance(record.get("memory", {}).get(kind, {}).get("total"), (int, float)):
@@ -80,11 +87,12 @@ def read_record(path: Path) -> dict | None:
 
 
 def load_records(root: Path, experiment: str | None = None) -> list[dict]:
-    """Every record under results/runs (or one experiment's folder), sorted by path."""
+    """Every record under results/runs (or one experiment's folder), sorted by path; the
+    simulated records of a folder's simulated/ subfolder (experiments/simulate.py) too."""
     folders = [root / experiment] if experiment else sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
     records = []
     for folder in folders:
-        for path in sorted(folder.glob("*.json")):
+        for path in sorted(folder.glob("*.json")) + sorted(folder.glob("simulated/*.json")):  # simulate.py's
             record = read_record(path)
             if record is not None:
                 records.append(record)

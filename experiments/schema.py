@@ -36,6 +36,7 @@ class ClusterConfig:
     gpus_per_node: Optional[int] = None       # None: detect (local); CPU processes when no GPU
     max_cpu_ranks: int = 8                    # local CPU runs: at most this many ranks per point
     device_memory_gb: Optional[float] = None  # per GPU, for "fits" predictions
+    cuda_reserve_gb: float = 0.0              # per GPU, not tensors: CUDA context and workspaces (simulate=true's "fits")
     peak_tflops: Optional[float] = None       # per GPU, half precision dense
     inter_node_gbps: Optional[float] = None   # per node, all NICs together (Gbit/s)
     # the step-time model's constants (experiments/analysis/step_time.py, sourced there)
@@ -133,6 +134,9 @@ class SweepConfig:
     force: bool = False
     results_dir: str = "results/runs"
     launcher: str = "auto"    # auto | fork | spawn | torchrun: how local ranks are started
+    simulate: bool = False    # play one rank of each point's full world on fake tensors (experiments/simulate.py)
+    simulate_rank: int = 0    # the rank simulate=true plays
+    simulate_workers: int = 0  # points simulated at once (0: the CPU count)
 
 
 @dataclass
@@ -149,6 +153,8 @@ class TrainConfig:
     train: TrainSettings = field(default_factory=TrainSettings)
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     results_dir: str = "results/runs"
+    simulate: bool = False    # play rank simulate_rank of the point's full world on fake tensors, in this process
+    simulate_rank: int = 0
 
 
 def register() -> None:

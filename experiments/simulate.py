@@ -333,7 +333,8 @@ def simulated_record(point: Point, precision: str, result: dict | None, error: s
         measured_by=MEASURED_BY, simulated_rank=rank,
         params_per_gpu=stats["psi"], padded_params_per_gpu=stats["padded_psi"],
         memory={"predicted": predicted_for_engine(stats), "predicted_peak": _analytic(analytic),
-                "measured": stats["memory"], "measured_max_over_ranks": stats["memory"],
+                "measured": {**stats["memory"], "peak_bytes": mem["peak_bytes"]},  # this rank only: no max over ranks
+                "measured_max_over_ranks": {**stats["memory"], "peak_bytes": mem["peak_bytes"]},
                 "peak_bytes": mem["peak_bytes"], "peak_by_kind": mem["peak_by_kind"], "peak_phase": mem["peak_phase"],
                 "host_peak_bytes": mem["host_peak_bytes"], "rounding": mem["rounding"], "timeline": mem["timeline"],
                 **v, "cause": cause},
@@ -382,6 +383,35 @@ def _child(conn, point_dict: dict, precision: str, rank: int, foreach: bool | No
         conn.close()
 
 
+def _start(ctx, point_dict: dict, precision: str, rank: int, foreach: bool | None):
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, point_dict, precision, rank, foreach), daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+def simulate_in_child(point_dict: dict, precision: str, rank: int = 0, *, foreach: bool | None = None,
+                      timeout: float = 600.0) -> dict:
+    """simulate_point in a forked process of its own (the fake world must be this process's
+    only process group); its result, or RuntimeError with the child's traceback."""
+    proc, conn = _start(multiprocessing.get_context("fork"), point_dict, precision, rank, foreach)
+    try:
+        if not conn.poll(timeout):
+            raise RuntimeError(f"simulation timed out after {timeout:.0f} s")
+        ok, payload = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        conn.close()
+    if not ok:
+        raise RuntimeError(payload)
+    return payload
+
+
 def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
                   on_done=None) -> list[dict]:
     """Simulate `points`, each in a process of its own (forked), `workers` at a time (default:
@@ -393,11 +423,7 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
         while pending and len(running) < workers:
             point = pending.pop(0)
             precision = simulated_precision(point)
-            parent, child = ctx.Pipe(duplex=False)
-            foreach = True if is_gpu_cluster(point) else None
-            proc = ctx.Process(target=_child, args=(child, point.as_dict(), precision, rank, foreach), daemon=True)
-            proc.start()
-            child.close()
+            proc, parent = _start(ctx, point.as_dict(), precision, rank, True if is_gpu_cluster(point) else None)
             running.append((point, precision, proc, parent, records.now(), time.monotonic()))
         time.sleep(0.05)
         for item in list(running):

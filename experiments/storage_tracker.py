@@ -58,9 +58,9 @@ _INITIALIZE_KINDS = {"flat_params.py": "params", "stage3.py": "params", "grad_re
 _HOST_FUNCTIONS = {"_initialize_affine_weight_cpu", "init_parameter"}
 
 
-def cuda_block_bytes(nbytes: int) -> int:
+def cuda_block_bytes(nbytes: int, block: int = CUDA_BLOCK) -> int:
     """Bytes the CUDA caching allocator hands out for a request of `nbytes` (0 stays 0)."""
-    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+    return -(-nbytes // block) * block
 
 
 @dataclass
@@ -98,8 +98,10 @@ class StorageTracker(TorchDispatchMode):
         tracker.peak_bytes, tracker.peak_by_kind, tracker.timeline
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block: int = CUDA_BLOCK) -> None:
+        """block: sizes are rounded up to a multiple of it (1: the storages' own bytes)."""
         super().__init__()
+        self.block = block
         self._live = WeakIdKeyDictionary()   # UntypedStorage -> _Info
         self.by_kind = dict.fromkeys(KINDS + ("host",), 0)
         self.total = 0                       # device bytes (host excluded)
@@ -158,7 +160,7 @@ class StorageTracker(TorchDispatchMode):
         st = t.untyped_storage()
         info = self._live.get(st)
         if info is None:
-            info = _Info(cuda_block_bytes(st.nbytes()), kind or self._classify())
+            info = _Info(cuda_block_bytes(st.nbytes(), self.block), kind or self._classify())
             info.ref = weakref.ref(st, lambda ref, info=info: self._on_free(info, ref))
             self._live[st] = info
             self._add(info.kind, info.nbytes)
@@ -166,7 +168,7 @@ class StorageTracker(TorchDispatchMode):
             self._resized(st, info)
 
     def _resized(self, st: torch.UntypedStorage, info: _Info) -> None:
-        nbytes = cuda_block_bytes(st.nbytes())
+        nbytes = cuda_block_bytes(st.nbytes(), self.block)
         if nbytes != info.nbytes:
             old, info.nbytes = info.nbytes, nbytes
             self._add(info.kind, nbytes - old)
@@ -246,7 +248,7 @@ class StorageTracker(TorchDispatchMode):
     def summary(self) -> dict:
         """Peak bytes, the breakdown by kind at the peak, its phase, and the timeline."""
         return {"peak_bytes": self.peak_bytes, "peak_by_kind": dict(self.peak_by_kind), "peak_phase": self.peak_phase,
-                "host_peak_bytes": self.host_peak_bytes, "rounding": f"each storage up to a multiple of {CUDA_BLOCK} bytes",
+                "host_peak_bytes": self.host_peak_bytes, "rounding": f"each storage up to a multiple of {self.block} bytes",
                 "timeline": [p.as_dict() for p in self.timeline]}
 
 

@@ -187,6 +187,10 @@ def run_sweep(cfg: DictConfig) -> int:
     if cfg.dry_run:
         dry_run(points)
         return 0
+    if cfg.simulate:  # one rank of each point's full world, on fake tensors (experiments/simulate.py)
+        from experiments.simulate import run_sweep_simulated
+        return run_sweep_simulated(points, _absolute(cfg.results_dir) / cfg.experiment.name, rank=cfg.simulate_rank,
+                                   workers=cfg.simulate_workers, force=cfg.force)
     check_runnable_here(points)
     results_dir = _absolute(cfg.results_dir) / cfg.experiment.name
     for point in tqdm(points, desc=cfg.experiment.name, unit="point", file=sys.stderr):
@@ -255,6 +259,9 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
     if remote:  # one Slurm job per multirun job, one task per GPU: one GPU count per job
         if cfg.gpus is None or isinstance(cfg.gpus, (list, tuple)) or OmegaConf.is_list(cfg.gpus):
             raise ConfigError("with a Slurm launcher, give gpus one value (tasks per job follow it), e.g. gpus=8")
+    elif cfg.simulate and not cfg.dry_run:
+        from experiments.simulate import check_simulate_rank
+        check_simulate_rank(points, cfg.simulate_rank)
     elif not cfg.dry_run and cfg.launcher != "torchrun":
         check_runnable_here(points)
         if cfg.launcher == "fork" and torch.cuda.is_available():

@@ -167,7 +167,10 @@ def _build(point: Point, device: torch.device, dtype: torch.dtype = torch.float3
         with torch.device("meta"):
             model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
         return model, megatron_param_init_fn(model, seed)
-    return build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype).to(device), None
+    model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
+    # built on the CPU; moved unless that is the device (nn.Module.to cannot swap the fake
+    # parameters of a simulation, experiments/simulate.py)
+    return (model if device.type == "cpu" else model.to(device)), None
 
 
 class PeakMemory:
@@ -382,6 +385,9 @@ def main(cfg: DictConfig) -> None:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one
     try:
+        if cfg.simulate:  # this process plays one rank of the whole world (experiments/simulate.py)
+            from experiments.simulate import simulate_and_record
+            sys.exit(simulate_and_record(point_from_train_config(cfg), Path(cfg.results_dir), cfg.simulate_rank))
         run_as_rank(point_from_train_config(cfg), Path(cfg.results_dir),
                     os.environ.get("ZERO_REPRO_LAUNCHER", "torchrun"))
     except ConfigError as e:
@@ -390,7 +396,10 @@ def main(cfg: DictConfig) -> None:
 
 
 def _validate(cfg: DictConfig, remote: bool) -> None:
-    point_from_train_config(cfg)
+    point = point_from_train_config(cfg)
+    if cfg.simulate:
+        from experiments.simulate import check_simulate_rank
+        check_simulate_rank([point], cfg.simulate_rank)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ KIND_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer_states": 
 
 
 def _ok(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["status"] == "ok"]
+    """ok records measured on hardware (simulated ones have their own figure, simulated_memory)."""
+    return [r for r in records if r["status"] == "ok" and r.get("measured_by") != "simulated"]
 
 
 def _main_experiment(ok: list[dict]) -> list[dict]:
@@ -361,6 +362,50 @@ def fig8_predicted(records: list[dict]) -> Figure:
     return fig
 
 
+SIM_KINDS = {"params": "tab:blue", "grads": "tab:orange", "optimizer_states": "tab:green",
+             "activations": "tab:red", "buffers": "tab:purple", "gathered_params": "tab:pink",
+             "temporaries": "tab:gray"}
+
+
+def simulated_memory(records: list[dict]) -> Figure:
+    """Simulated points (experiments/simulate.py): the simulated rank's peak device memory by kind,
+    against the device (line) less the cluster's CUDA reserve (dashed), one panel per experiment
+    (the two with the most simulated points); marked SIMULATED, never mixed with hardware."""
+    sims = [r for r in records if r.get("measured_by") == "simulated" and "peak_by_kind" in r.get("memory", {})]
+    by_exp: dict[str, list[dict]] = {}
+    for r in sims:
+        by_exp.setdefault(r["experiment"], []).append(r)
+    chosen = sorted(by_exp, key=lambda e: -len(by_exp[e]))[:2]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig.suptitle("SIMULATED peak device memory of one rank at the point's full world size (fake tensors; "
+                 "CUDA 512-byte blocks; not seen: fragmentation, NCCL buffers, kernel workspaces)", fontsize=9)
+    for ax, experiment in zip(axes, chosen + [None] * (2 - len(chosen))):
+        if experiment is None:
+            _empty(ax, "no simulated records" if not chosen else "")
+            ax.set_axis_off() if chosen else None
+            continue
+        rs = sorted(by_exp[experiment], key=lambda r: (r["stage"] == 0, r["params"]))
+        labels = [f"{r['model']['name']}\n{STAGE_NAMES[r['stage']]} MP{r['tp']}\n{r['status']}" for r in rs]
+        bottom = [0.0] * len(rs)
+        for kind, color in SIM_KINDS.items():
+            heights = [r["memory"]["peak_by_kind"].get(kind, 0) / 1e9 for r in rs]
+            ax.bar(range(len(rs)), heights, bottom=bottom, color=color, label=kind.replace("_", " "))
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        device = [r["memory"].get("device_bytes") for r in rs]
+        if any(device):
+            top = max(d for d in device if d) / 1e9
+            reserve = max(r["memory"].get("cuda_reserve_bytes", 0) for r in rs) / 1e9
+            ax.axhline(top, color="k", lw=1.2, label=f"device {top:g} GB")
+            ax.axhline(top - reserve, color="k", lw=1, ls="--", label=f"less CUDA reserve {reserve:g} GB")
+        ax.set_xticks(range(len(rs)), labels, fontsize=6, rotation=90)
+        ax.set(ylabel="GB (simulated)", yscale="log" if max(bottom) > 4 * (max(d or 0 for d in device) / 1e9 or 1) else "linear",
+               title=f"{experiment}: rank {rs[0].get('simulated_rank', 0)} of each point (SIMULATED)")
+        ax.legend(fontsize=6, ncol=2)
+        ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
 FIGURES = {"throughput_vs_size": throughput_vs_size, "scaling": scaling, "largest_model": largest_model,
            "memory_bars": memory_bars, "communication": communication, "fig2_predicted": fig2_predicted,
-           "fig3_predicted": fig3_predicted, "fig4_predicted": fig4_predicted, "fig8_predicted": fig8_predicted}
+           "fig3_predicted": fig3_predicted, "fig4_predicted": fig4_predicted, "fig8_predicted": fig8_predicted,
+           "simulated_memory": simulated_memory}

@@ -155,15 +155,16 @@ def throughput_table(records: list[dict], paper: pd.DataFrame | None = None) -> 
     rows = []
     for r in records:
         ok = r["status"] == "ok"
+        timed = ok and measured_by(r) == "hardware"  # a simulation times nothing
         rows.append({
             "experiment": r["experiment"], "model": r["model"]["name"], "params_B": r["params"] / 1e9,
             "gpus": r["world_size"], "mp": r["tp"], "dp": r["dp"], "batch": r["global_batch"],
             "stage": STAGE_NAMES[r["stage"]], "precision": r["precision"], "c": r["recompute_factor"],
-            "tflops_per_gpu": r["tflops_per_gpu"] if ok else None,
+            "tflops_per_gpu": r["tflops_per_gpu"] if timed else None,
             "tflops_per_gpu_predicted": _predicted_tflops(r) if ok else None,
-            "aggregate_pflops": r["tflops_per_gpu"] * r["world_size"] / 1000 if ok else None,
+            "aggregate_pflops": r["tflops_per_gpu"] * r["world_size"] / 1000 if timed else None,
             "paper_tflops_per_gpu": ", ".join(lookup.get(_paper_key(r), [])) or "-",
-            "status": r["status"], "hardware": _hardware(r)})
+            "status": r["status"], "measured_by": measured_by(r), "hardware": _hardware(r)})
     return pd.DataFrame(rows)
 
 
@@ -197,7 +198,8 @@ def memory_table(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         row = {"experiment": r["experiment"], "model": r["model"]["name"], "stage": STAGE_NAMES[r["stage"]],
-               "nd": r["dp"], "mp": r["tp"], "precision": r["precision"], "status": r["status"]}
+               "nd": r["dp"], "mp": r["tp"], "precision": r["precision"], "status": r["status"],
+               "measured_by": measured_by(r)}
         pred = r["memory"].get("predicted", {})
         row.update({f"pred_{k}": pred.get(k) for k in ("params", "grads", "optimizer_states", "total")})
         meas = r["memory"].get("measured_max_over_ranks") if r["status"] == "ok" else None
@@ -221,11 +223,80 @@ def comm_table(records: list[dict]) -> pd.DataFrame:
                      "theory": comm.get("theory_elements_per_step") if ok else None,
                      "per_psi": comm["elements_per_step"] / psi if ok and psi and r["dp"] > 1 else None,
                      "theory_per_psi": (3 if r["stage"] == 3 else 2) if r["dp"] > 1 else 0,
-                     "status": r["status"]})
+                     "status": r["status"], "measured_by": measured_by(r)})
     return pd.DataFrame(rows)
 
 
+def measured_by(record: dict) -> str:
+    """"simulated" for records of experiments/simulate.py (one rank on fake tensors: memory and
+    traffic, no time), "hardware" for runs on real ranks. Never averaged together."""
+    return "simulated" if record.get("measured_by") == "simulated" else "hardware"
+
+
+# -- simulated points (experiments/simulate.py) -----------------------------------------------
+ZERO_R_EXPERIMENTS = ("fig2", "fig3", "fig6", "fig7", "fig8")  # the paper ran these ZeRO points with ZeRO-R
+
+
+def paper_verdict(record: dict) -> tuple[str, bool | None]:
+    """(what the paper did with the point, whether the simulation's verdict agrees; None where
+    the paper says nothing). Every point of Figures 2-4 and 6-8 ran in the paper; the ZeRO
+    points of Figures 2, 3 and 6-8 ran as ZeRO-100B, Pos+g with ZeRO-R (Pa, CB, MD), which this
+    suite lacks: they agree when they fit, or when only activations (what Pa and CB shrink)
+    keep them from fitting."""
+    experiment, status = record.get("experiment"), record.get("status")
+    cause = record.get("memory", {}).get("cause")
+    if experiment in ZERO_R_EXPERIMENTS and record.get("stage", 0) > 0:
+        return "ran, with ZeRO-R (Pa, CB, MD)", status == "ok" or (status == "oom" and cause == "activations")
+    if experiment in ZERO_R_EXPERIMENTS + ("fig4",):
+        return "ran", status == "ok"
+    return "-", None
+
+
+def simulation_table(records: list[dict]) -> pd.DataFrame:
+    """Simulated points (measured_by "simulated"): the peak device memory of the simulated rank
+    by kind (GB, CUDA blocks), the analytic prediction (points.predicted_memory_bytes), the
+    verdict against the device with the cluster's CUDA reserve, its cause, traffic per step
+    against 2Ψ/3Ψ and megatron's TP all-reduces against their count, and the paper's verdict.
+    Unlike hardware records, an `oom` here keeps its numbers: they are the finding."""
+    rows = []
+    for r in records:
+        if measured_by(r) != "simulated":
+            continue
+        mem, comm = r.get("memory", {}), r.get("comm", {})
+        kinds = mem.get("peak_by_kind") or {}
+        gb = 1e9
+        paper, agrees = paper_verdict(r)
+        tp = comm.get("tp_megatron") or {}
+        rows.append({
+            "experiment": r["experiment"], "model": r["model"]["name"], "params_B": r["params"] / gb,
+            "gpus": r["world_size"], "mp": r["tp"], "dp": r["dp"], "stage": STAGE_NAMES[r["stage"]],
+            "micro_batch": r["micro_batch"], "precision": r["precision"], "rank": r.get("simulated_rank", 0),
+            "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
+            "model_states_GB": sum(kinds.get(k, 0) for k in ("params", "grads", "optimizer_states")) / gb if kinds else None,
+            "activations_GB": kinds.get("activations", 0) / gb if kinds else None,
+            "buffers_GB": (kinds.get("buffers", 0) + kinds.get("gathered_params", 0)) / gb if kinds else None,
+            "temporaries_GB": kinds.get("temporaries", 0) / gb if kinds else None,
+            "peak_phase": mem.get("peak_phase"),
+            "analytic_GB": (mem.get("predicted_peak") or {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
+            "cuda_reserve_GB": mem["cuda_reserve_bytes"] / gb if "cuda_reserve_bytes" in mem else None,
+            "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
+            "status": r["status"], "cause": mem.get("cause") or "-",
+            "comm_per_psi": comm["elements_per_step"] / r["params_per_gpu"]
+            if comm.get("elements_per_step") is not None and r.get("params_per_gpu") and r["dp"] > 1 else None,
+            "tp_elements": tp.get("elements_per_step"), "tp_theory": tp.get("theory_elements_per_step"),
+            "paper": paper, "agrees_with_paper": agrees, "measured_by": "simulated"})
+    return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS))
+
+
+SIMULATION_COLUMNS = ("experiment", "model", "params_B", "gpus", "mp", "dp", "stage", "micro_batch", "precision", "rank",
+                      "peak_GB", "model_states_GB", "activations_GB", "buffers_GB", "temporaries_GB", "peak_phase",
+                      "analytic_GB", "cuda_reserve_GB", "device_GB", "status", "cause", "comm_per_psi", "tp_elements",
+                      "tp_theory", "paper", "agrees_with_paper", "measured_by")
+
+
 def _hardware(record: dict) -> str:
+    if measured_by(record) == "simulated":
+        return f"simulated rank {record.get('simulated_rank', 0)} of {record['world_size']} (fake tensors)"
     hw = record.get("hardware", {})
     if hw.get("gpu"):
         return f"{hw.get('gpu_count')} x {hw['gpu']}"

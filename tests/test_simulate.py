@@ -1,0 +1,205 @@
+"""Simulation at the paper's scale (experiments/simulate.py, experiments/storage_tracker.py).
+
+The claim under test: a rank simulated on fake tensors over the fake process group allocates
+exactly what the same rank allocates in a real run (real tensors, real gloo ranks), by kind and
+by phase, so its peak at the paper's world sizes can be trusted as far as tensors go.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from experiments import simulate
+from experiments.launch import spawn
+from experiments.points import Point, load_model
+from experiments.records import load_records, read_record, validate_record
+from experiments.reports import tables
+from experiments.schema import ClusterConfig, TrainSettings, ZeroSettings
+from experiments.storage_tracker import KINDS, StorageTracker
+
+REPO = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.05  # the issue's bound; measured: equal to the byte
+
+
+def make_point(model: str, stage: int, gpus: int, tp: int, micro_batch: int, *, recompute: bool = True,
+               cluster: str | None = None, **zero) -> Point:
+    train = OmegaConf.to_container(OmegaConf.structured(TrainSettings))
+    train.update(recompute=recompute)
+    settings = OmegaConf.to_container(OmegaConf.structured(ZeroSettings))
+    settings.update(zero)
+    base = OmegaConf.structured(ClusterConfig)
+    if cluster:
+        base = OmegaConf.merge(base, OmegaConf.load(REPO / "conf" / "cluster" / f"{cluster}.yaml"))
+    return Point("test", load_model(model), stage, gpus, tp, micro_batch, "", train, settings,
+                 OmegaConf.to_container(base))
+
+
+# -- the tracker ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_tracker_peak_equals_memtracker(fake):
+    """Over the same events, StorageTracker (unrounded) and torch's MemTracker see the same peak,
+    on real and on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mine, theirs = StorageTracker(block=1), MemTracker()
+    with (FakeTensorMode() if fake else torch.device("cpu")), theirs, mine:
+        mine.begin("build")
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            mine.begin("forward")
+            loss = model(torch.randn(32, 64)).square().mean()
+            mine.begin("backward")
+            loss.backward()
+            mine.begin("step")
+            opt.step()
+            opt.zero_grad()
+            theirs.reset_mod_stats()  # MemTracker's per-module stats need it between iterations
+    peak = sum(dev["Total"] for dev in theirs.get_tracker_snapshot("peak").values())
+    assert mine.peak_bytes == peak
+    params = list(model.parameters())  # Adam's two fp32 moments, and its fp32 step count per tensor
+    assert mine.peak_by_kind["optimizer_states"] == 2 * 4 * sum(p.numel() for p in params) + 4 * len(params)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_tracker_sees_storage_resize(fake):
+    """Stage 3 releases a gathered unit with untyped_storage().resize_(0): the bytes go (and come
+    back on the next gather), rounded to the CUDA allocator's 512-byte blocks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = StorageTracker()
+    with (FakeTensorMode() if fake else torch.device("cpu")), tracker:
+        tracker.begin("forward")
+        unit = torch.empty(1000, dtype=torch.float16)  # 2000 bytes -> 2048
+        assert tracker.total == 2048
+        unit.untyped_storage().resize_(0)
+        assert tracker.total == 0
+        unit.untyped_storage().resize_(2000)
+        assert tracker.total == 2048
+        del unit
+        assert tracker.total == 0
+    assert tracker.peak_bytes == 2048
+
+
+# -- simulated rank == real rank ------------------------------------------------------------------
+# A representative subset of stage x TP x recomputation (all 16 combinations, and ranks 0 and 1,
+# were checked equal to the byte when this was written; 9 keep the test near a minute):
+CASES = [(0, 1, False), (0, 2, True), (1, 1, True), (1, 2, False), (2, 1, False), (2, 2, True),
+         (3, 1, True), (3, 2, False), (3, 2, True)]
+
+
+def _real_rank(point_dict: dict, precision: str) -> dict:
+    return simulate.train_measured(point_dict, precision, fake=False)
+
+
+def _real(point: Point, precision: str) -> list[dict]:
+    """Every rank's measurements of a real run: forked gloo ranks, real CPU tensors."""
+    return spawn(_real_rank, point.gpus, point.as_dict(), precision, start_method="fork", backend="gloo", timeout=300)
+
+
+def _close(sim: float, real: float) -> bool:
+    return abs(sim - real) <= TOLERANCE * real
+
+
+@pytest.mark.parametrize("stage,tp,recompute", CASES,
+                         ids=[f"stage{s}-tp{t}-{'recompute' if r else 'no_recompute'}" for s, t, r in CASES])
+def test_simulated_rank_matches_real_rank(stage, tp, recompute):
+    """tiny_m (4 layers) in fp16 at world 2 x TP, DP 2, buckets small enough that stages 2-3
+    stage several: the simulated rank 0's peak, its breakdown by kind and each phase's peak
+    equal the real rank 0's (gloo, real tensors, same tracker) within 5%."""
+    point = make_point("tiny_m", stage, 2 * tp, tp, 2, recompute=recompute, reduce_bucket_size=30000,
+                       stage3_prefetch_bucket_size=30000)
+    real = _real(point, "fp16")[0]["memory"]
+    sim = simulate.simulate_in_child(point.as_dict(), "fp16", 0)["memory"]
+    assert _close(sim["peak_bytes"], real["peak_bytes"]), (sim["peak_bytes"], real["peak_bytes"])
+    for kind in KINDS:
+        assert _close(sim["peak_by_kind"][kind], real["peak_by_kind"][kind]), \
+            (kind, sim["peak_by_kind"], real["peak_by_kind"])
+    assert [p["phase"] for p in sim["timeline"]] == [p["phase"] for p in real["timeline"]]
+    for s, r in zip(sim["timeline"], real["timeline"]):
+        assert _close(s["peak_bytes"], r["peak_bytes"]), (s, r)
+
+
+def test_simulated_other_rank_matches_real():
+    """simulate_rank: rank 1 of a TP 2 x DP 2 stage-2 job equals the real rank 1."""
+    point = make_point("tiny_m", 2, 4, 2, 2, reduce_bucket_size=30000)
+    real = _real(point, "fp16")[1]["memory"]
+    sim = simulate.simulate_in_child(point.as_dict(), "fp16", 1)["memory"]
+    assert sim["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=TOLERANCE)
+    for kind in KINDS:
+        assert sim["peak_by_kind"][kind] == pytest.approx(real["peak_by_kind"][kind], rel=TOLERANCE)
+
+
+# -- at the paper's scale -------------------------------------------------------------------------
+def test_paper_point_at_full_world():
+    """Figure 2's 1.5B ZeRO point, rank 0 of 400 on dgx2_v100: fits (as in the paper), within 3%
+    of the analytic peak, moves 2Ψ per step (of the padded buckets, and the norm's scalars), and megatron's cross-entropy
+    all-reduces are exactly the counted ones."""
+    point = make_point("fig2_1.5b", 2, 400, 1, 24, cluster="dgx2_v100")
+    point.experiment = "fig2"
+    precision = simulate.simulated_precision(point)
+    assert precision == "fp16"
+    result = simulate.simulate_in_child(point.as_dict(), precision, 0, foreach=True)
+    record = simulate.simulated_record(point, precision, result, None, "now")
+    assert validate_record(record) == []
+    assert record["status"] == "ok" and record["measured_by"] == "simulated" and record["tflops_per_gpu"] is None
+    mem = record["memory"]
+    assert mem["peak_bytes"] == pytest.approx(mem["predicted_peak"]["total"], rel=0.03)
+    assert mem["peak_by_kind"]["activations"] > mem["peak_by_kind"]["params"]  # micro-batch 24, recompute
+    comm = record["comm"]
+    assert comm["theory_elements_per_step"] == 2 * record["params_per_gpu"]
+    assert comm["elements_per_step"] == 2 * record["padded_params_per_gpu"] + 4  # buckets' padding, the norm's 2 x 2
+    assert comm["tp_megatron"]["elements_per_step"] == comm["tp_megatron"]["theory_elements_per_step"]
+    assert tables.paper_verdict(record) == ("ran, with ZeRO-R (Pa, CB, MD)", True)
+
+
+def test_verdict_names_activations():
+    """A point whose peak without activations would fit is oom 'caused by activations'; one whose
+    model states alone overflow names the largest of them."""
+    point = make_point("tiny_s", 2, 8, 1, 2, cluster="dgx2_v100")
+    gb = 10 ** 9
+    mem = {"peak_bytes": 40 * gb, "peak_by_kind": dict.fromkeys(KINDS, 0)}
+    mem["peak_by_kind"].update(params=10 * gb, activations=30 * gb)
+    v = simulate.verdict(point, mem["peak_bytes"])
+    assert v["fits"] is False and v["cuda_reserve_bytes"] == 1.0 * gb
+    assert simulate.oom_cause(mem, v) == "activations"
+    mem["peak_by_kind"].update(params=34 * gb, activations=6 * gb)
+    assert simulate.oom_cause(mem, v) == "params"
+    assert simulate.oom_cause(mem, simulate.verdict(point, 30 * gb)) is None  # 30 + 1 <= 32: fits
+
+
+# -- the command lines ----------------------------------------------------------------------------
+def test_sweep_and_train_simulate_cli(tmp_path):
+    """sweep.py simulate=true writes validated simulated records (apart from hardware ones) and a
+    summary; train.py simulate=true simulates one point; a simulate_rank outside the world is
+    refused before anything runs; report.py's simulation table lists them, marked simulated."""
+    done = subprocess.run([sys.executable, "experiments/sweep.py", "model=tiny_s", "stage=[2,3]", "gpus=[256]",
+                           "micro_batch=2", "simulate=true", "simulate_rank=3", "cluster=dgx2_v100",
+                           f"results_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / "cpu_default"
+    assert not list(folder.glob("*.json"))  # never where a hardware sweep looks for ok points
+    found = sorted((folder / "simulated").glob("*.json"))
+    assert len(found) == 2 and (folder / "simulated" / "summary.csv").exists()
+    for path in found:
+        record = read_record(path)
+        assert validate_record(record) == [] and record["status"] == "ok" and record["simulated_rank"] == 3
+        assert record["world_size"] == 256 and record["precision"] == "fp16"
+    assert len(load_records(tmp_path, "cpu_default")) == 2
+    assert set(tables.simulation_table(load_records(tmp_path))["measured_by"]) == {"simulated"}
+    bad = subprocess.run([sys.executable, "experiments/sweep.py", "model=tiny_s", "gpus=[4]", "simulate=true",
+                          "simulate_rank=4", f"results_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "simulate_rank must be in [0, 4)" in bad.stderr
+    one = subprocess.run([sys.executable, "experiments/train.py", "model=tiny_s", "stage=1", "gpus=64", "tp=2",
+                          "simulate=true", "experiment_name=one", f"results_dir={tmp_path}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    (record,) = load_records(tmp_path, "one")
+    assert record["measured_by"] == "simulated" and record["tp"] == 2 and record["dp"] == 32
