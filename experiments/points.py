@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from zero_impl.config import DTYPES, STAGES, ZeroConfig
+from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZeroConfig
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
 from experiments.analysis.memory import model_state_bytes
 from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameters_per_tp_rank
@@ -32,6 +32,10 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 FAULTS = ("none", "raise", "hang", "slow")
 NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir")  # train.* that leave results alone
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
+
+
+ZERO_R_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
+                   "contiguous_memory_optimization": False, "number_checkpoints": None}
 
 
 class ConfigError(ValueError):
@@ -86,6 +90,8 @@ class Point:
     def point_id(self) -> str:
         """Readable and unique: the axes, the note, and a hash of everything else."""
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
+        # ZeRO-R switches at their defaults stay out of the hash: ids from before ZeRO-R still hold
+        settings["zero"] = {k: v for k, v in self.zero.items() if k not in ZERO_R_DEFAULTS or v != ZERO_R_DEFAULTS[k]}
         settings["train"] = {k: v for k, v in self.train.items() if k not in NOT_HASHED}
         if settings["train"]["precision"] == "auto":  # auto means fp32 on CPU, half precision on GPUs
             settings["train"]["precision"] = "auto-gpu" if torch.cuda.is_available() else "auto-cpu"
@@ -122,6 +128,7 @@ def expand(cfg: DictConfig) -> list[Point]:
         specs = [dict(OmegaConf.to_container(p)) for p in exp.points]
         rows = []
         for spec in specs:
+            _check_zero_r(spec)
             axes = [overrides[a] or [spec[a]] for a in AXES]
             rows += [dict(spec, **dict(zip(AXES, combo))) for combo in itertools.product(*axes)]
     else:
@@ -142,7 +149,7 @@ def expand(cfg: DictConfig) -> list[Point]:
         model = chosen_model if chosen_model and row["model"] == chosen_model["name"] else load_model(str(row["model"]))
         point = Point(experiment=exp.name, model=model, stage=row["stage"], gpus=row["gpus"],
                       tp=row["tp"], micro_batch=row["micro_batch"], note=row.get("note", ""), train=train,
-                      zero=zero, cluster=cluster)
+                      zero=_zero_for(zero, row.get("zero_r") or "", train), cluster=cluster)
         try:
             point.shape.check_tp(point.tp)
         except ValueError as e:
@@ -155,6 +162,27 @@ def expand(cfg: DictConfig) -> list[Point]:
     if cfg.launcher not in LAUNCHERS:
         raise ConfigError(f"launcher must be one of {list(LAUNCHERS)}, got {cfg.launcher!r}")
     return points
+
+
+def _check_zero_r(spec: dict) -> None:
+    """A point's `zero_r` names one of Table 3's configurations, whose ZeRO-DP stage it lists."""
+    name = spec.get("zero_r") or ""
+    if name and name not in ZERO_R_CONFIGS:
+        raise ConfigError(f"zero_r must be one of {list(ZERO_R_CONFIGS)} (Table 3), got {name!r}")
+    if name and spec["stage"] != ZERO_R_CONFIGS[name]["stage"]:
+        raise ConfigError(f"point ({spec['model']}, zero_r {name}): {name} is stage {ZERO_R_CONFIGS[name]['stage']} "
+                          f"(Table 3), the point says stage {spec['stage']}")
+
+
+def _zero_for(zero: dict, zero_r: str, train: dict) -> dict:
+    """The engine knobs of one point: the sweep's, with its Table 3 configuration's ZeRO-R switches."""
+    if zero_r:
+        zero = dict(zero, **{k: v for k, v in ZERO_R_CONFIGS[zero_r].items() if k != "stage"})
+    for key in ("partition_activations", "contiguous_memory_optimization"):
+        if zero.get(key) and not train["recompute"]:
+            raise ConfigError(f"zero.{key}{f' (zero_r {zero_r})' if zero_r else ''} acts on activation checkpoints: "
+                              "it needs train.recompute=true")
+    return zero
 
 
 def _check_axes(row: dict) -> None:
@@ -230,7 +258,8 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
     activations = activation_memory(seq_len=shape.seq_len, micro_batch=point.micro_batch, hidden=shape.hidden,
                                     heads=shape.heads, layers=shape.layers, vocab=vocab, tp=point.tp,
                                     recompute=point.train["recompute"], bytes_per_element=DTYPES[precision].itemsize,
-                                    dropout=dropout)
+                                    dropout=dropout, partition_activations=point.zero.get("partition_activations", False),
+                                    cpu_checkpointing=point.zero.get("cpu_checkpointing", False))
     config = ZeroConfig(stage=point.stage, precision=precision, **point.zero)  # the engine's dtypes
     buffers = engine_buffer_bytes(stage=point.stage, hidden=shape.hidden, seq_len=shape.seq_len, vocab=vocab,
                                   tp=point.tp, params=parameters_per_tp_rank(shape, point.tp),

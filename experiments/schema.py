@@ -59,6 +59,11 @@ class ZeroSettings:
     stage3_max_live_units: int = ZeroConfig.stage3_max_live_units
     stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
     stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
+    # ZeRO-R (zero_impl/activations.py); an experiment's point sets them with `zero_r: C1`...`C5`
+    partition_activations: bool = ZeroConfig.partition_activations    # Pa
+    cpu_checkpointing: bool = ZeroConfig.cpu_checkpointing            # Pa+cpu
+    contiguous_memory_optimization: bool = ZeroConfig.contiguous_memory_optimization  # MD
+    number_checkpoints: Optional[int] = None                          # MD's arena slots (None: one per layer)
 
 
 @dataclass
@@ -91,6 +96,7 @@ class PointSpec:
     tp: int = 1
     micro_batch: int = "???"  # type: ignore[assignment]
     note: str = ""            # e.g. the paper row it reproduces
+    zero_r: str = ""          # Table 3's configuration, C1-C5: sets zero.* ZeRO-R switches (its stage must match)
 
 
 @dataclass

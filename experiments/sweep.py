@@ -163,7 +163,8 @@ def dry_run(points: list[Point]) -> None:
     point fits when the total is within the cluster's device_memory_gb (x 1e9 bytes, as the
     paper's Table 2). Run nothing."""
     print("memory per GPU: Table 1 model states + activations (Korthikanti et al. 2022, dropout masks counted, "
-          "no ZeRO-R: checkpoints replicated over TP) + engine buffers; 'fits' against cluster.device_memory_gb")
+          "checkpoints replicated over TP unless the point's ZeRO-R Pa partitions them, on the host with Pa+cpu) "
+          "+ engine buffers; 'fits' against cluster.device_memory_gb")
     print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | micro-batch | recompute "
           "| model states/GPU | activations/GPU | buffers/GPU | total/GPU | fits device | runnable here |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|")

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import zero_impl
 from experiments import records
+from zero_impl.config import ZERO_R_SWITCHES, zero_r_config
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError, Point, expand, predicted_model_state_bytes, resolve_precision
 from experiments.schema import register
@@ -105,15 +106,15 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
             _inject(t["fault"])
         _sync(device)
         dist.barrier()
-        start = time.perf_counter()
+        began = time.perf_counter()
         total = torch.zeros((), device=device)
         for micro in range(t["grad_accum_steps"]):
             seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
             tokens = synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed).to(device)
             if step == start and micro == 0:  # measure what forward saves for backward, once
-                with SavedActivations(model) as saved:
+                with SavedActivations(model) as census:
                     loss = gpt_loss(engine, tokens)
-                activation_bytes = saved.bytes
+                activation_bytes = census.bytes
             else:
                 loss = gpt_loss(engine, tokens)
             engine.backward(loss)
@@ -122,7 +123,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
         peak.stop()
         _sync(device)
         if step >= t["warmup_steps"]:
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - began)
         dist.all_reduce(total, group=dp_group)
         losses.append(total.item() / dist.get_world_size(dp_group))
         if t["fault"] == "slow":
@@ -255,6 +256,7 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         "model": {**point.model, "padded_vocab_size": padded_vocab_size(shape.vocab_size, point.tp)},
         "params": parameter_count(shape, point.tp), "params_per_gpu": 0, "padded_params_per_gpu": 0,
         "world_size": point.gpus, "tp": point.tp, "dp": point.dp, "stage": point.stage, "precision": precision,
+        "zero_r_config": zero_r_config(point.stage, **{k: point.zero[k] for k in ZERO_R_SWITCHES if k in point.zero}),
         "micro_batch": point.micro_batch, "global_batch": point.global_batch,
         "recompute_factor": recompute_factor(recompute), "flops_per_iteration": float(flops),
         "flops_convention": "Narayanan et al. 2021 Eq. 3: 24*c*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)), padded V, no causal halving",

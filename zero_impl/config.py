@@ -159,6 +159,8 @@ class ZeroConfig:
         return cls(**values)
 
 
+ZERO_R_SWITCHES = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+
 # The paper's Table 3 (results/paper/table3_zero_r_configs.csv): ZeRO-DP stage and ZeRO-R switches.
 # CB holds in every configuration (the engine's buffers are always bounded by their configured sizes).
 ZERO_R_CONFIGS: dict[str, dict] = {

@@ -85,14 +85,22 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab: int, tp: int = 1, *, byt
 
 def activation_memory(*, seq_len: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
                       tp: int = 1, recompute: bool = True, bytes_per_element: int = 2,
-                      dropout: bool = True) -> dict[str, float]:
+                      dropout: bool = True, partition_activations: bool = False,
+                      cpu_checkpointing: bool = False) -> dict[str, float]:
     """Activation bytes per GPU by term, and `total`: what is kept through forward plus the
-    larger of the two transient working sets (the loss's, or one recomputed layer's)."""
+    larger of the two transient working sets (the loss's, or one recomputed layer's).
+    With recomputation, ZeRO-R's Pa keeps 1/t of each checkpoint (zero_impl/activations.py; the
+    gathered copy is the recomputed layer's input, already in its Eq. 2 working set) and Pa+cpu
+    keeps that slice in host memory: `host_checkpoints`, outside the device total."""
     layer = layer_activation_bytes(seq_len, micro_batch, hidden, heads, tp, bytes_per_element=bytes_per_element,
                                    dropout=dropout)
+    kept = checkpoint_bytes(seq_len, micro_batch, hidden, layers, bytes_per_element=bytes_per_element)
+    if recompute and partition_activations:
+        kept = layers * bytes_per_element * -(-seq_len * micro_batch * hidden // tp)
+    host = kept if recompute and partition_activations and cpu_checkpointing else 0.0
     out = {
-        "layers_kept": (checkpoint_bytes(seq_len, micro_batch, hidden, layers, bytes_per_element=bytes_per_element)
-                        if recompute else layers * layer),
+        "layers_kept": (kept - host if recompute else layers * layer),
+        "host_checkpoints": host,
         "head": head_bytes(seq_len, micro_batch, hidden, bytes_per_element=bytes_per_element, dropout=dropout),
         "recomputed_layer": layer if recompute else 0.0,
         "logits": logits_bytes(seq_len, micro_batch, vocab, tp, bytes_per_element=bytes_per_element),
