@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import time
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import zero_impl
@@ -42,12 +45,46 @@ def _flags(name: str) -> dict:
     return {k: v for k, v in ZERO_R_CONFIGS[name].items() if k != "stage"}
 
 
-def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+def _loss(model, tokens: torch.Tensor, after_forward=None) -> torch.Tensor:
     from megatron.core import tensor_parallel
     inputs = lm_inputs(tokens)
     labels = inputs.pop("labels")
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(model(**inputs))
+    logits = model(**inputs)
+    if after_forward is not None:
+        after_forward()
+    logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class LiveStorages(TorchDispatchMode):
+    """Census of live storages: every storage an op creates while active, and whether it is still
+    alive (its bytes) when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if torch.is_tensor(t):
+                storage = t.untyped_storage()
+                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for ref, n in self.storages.values() if not ref.expired())
+
+    def settled_bytes(self) -> int:
+        """bytes, once gloo's worker threads have dropped the tensors of finished collectives
+        (a matmul output all-reduced in place lives a moment longer there): nothing allocates
+        meanwhile, so the least of a few readings."""
+        least = self.bytes
+        for _ in range(30):
+            time.sleep(0.01)
+            least = min(least, self.bytes)
+        return least
 
 
 def _train(stage: int, zero_r: dict, megatron_pa: bool = False, recompute: bool = True) -> dict:
@@ -55,7 +92,6 @@ def _train(stage: int, zero_r: dict, megatron_pa: bool = False, recompute: bool 
     tensor-parallel traffic megatron itself moves during forward and backward, counted by
     wrapping torch.distributed (the engine's own collectives go through its ledger)."""
     warnings.filterwarnings("ignore")
-    from torch.distributed._tools.mem_tracker import MemTracker
     import megatron.core.tensor_parallel.utils as tp_utils
     dp_group, tp_group = initialize_parallel(TP)
     model = build_gpt(SHAPE, recompute=recompute).double()
@@ -92,12 +128,10 @@ def _train(stage: int, zero_r: dict, megatron_pa: bool = False, recompute: bool 
                     storage = t.untyped_storage()
                     saved[storage.data_ptr()] = storage.nbytes()
                     return t
-                tracker = MemTracker()
-                tracker.__enter__()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    loss = _loss(engine, tokens)
-                out["live_after_forward"] = sum(d["Total"] for d in tracker.get_tracker_snapshot("current").values())
-                tracker.__exit__(None, None, None)
+                # live storages when the model's forward is done (before the loss's TP all-gather,
+                # whose buffers gloo's worker threads release when they get to it)
+                with LiveStorages() as live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = _loss(engine, tokens, lambda: out.update(live_after_forward=live.settled_bytes()))
                 if engine.activations is not None and engine.activations.contiguous:
                     arena_hits = _in_arena(engine.activations)
             else:
@@ -242,11 +276,13 @@ def test_zero_r_trains_bitwise_like_without(stage, configs):
 
 def test_pa_divides_saved_checkpoints_by_mp():
     layers, checkpoint = SHAPE.layers, SBH * FP64
-    base, pa, c5 = run(2), run(2, "Pa"), run(2, "C5")
-    for b, p, c in zip(base, pa, c5):
+    base, pa, c5, c3 = run(2), run(2, "Pa"), run(2, "C5"), run(2, "C3")
+    for b, p, c, md in zip(base, pa, c5, c3):
         # census 1: storages autograd is handed for backward; census 2: live storages after forward
+        # (on the CPU, Pa+cpu's host slices are live storages too; MD's arena replaces the checkpoints)
         assert b["saved_bytes"] - p["saved_bytes"] == layers * checkpoint * (TP - 1) // TP
         assert b["live_after_forward"] - p["live_after_forward"] == layers * checkpoint * (TP - 1) // TP
+        assert c["live_after_forward"] == p["live_after_forward"] and md["live_after_forward"] == b["live_after_forward"]
         # the engine's accounting: Pa keeps L slices on the device; Pa+cpu on the host, none on the device
         assert p["kept_after_forward"] == [{"device": layers * checkpoint // TP, "host": 0}] * STEPS
         assert c["kept_after_forward"] == [{"device": 0, "host": layers * checkpoint // TP}] * STEPS
