@@ -128,7 +128,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
         losses.append(total.item() / dist.get_world_size(dp_group))
         if t["fault"] == "slow":
             time.sleep(1.0)
-        stop = _stop_requested(stop_file, device)
+        stop = _stop_requested(stop_file, device) and step + 1 < t["warmup_steps"] + t["steps"]
         if root is not None and (stop or t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0):
             saved = str(zero_impl.checkpoint.save(engine, root / f"step_{step + 1}",
                                                   extra={"step": step + 1, "losses": losses, "step_times_s": times}))

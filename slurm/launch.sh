@@ -29,6 +29,11 @@ JOB="$SLURM_JOB_ID"
 if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then JOB="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"; fi
 JOB_DIR="${ZERO_REPRO_SLURM_RESULTS:-$REPO/results/slurm}/$JOB"
 mkdir -p "$JOB_DIR"
+# Slurm's warning may come at any time (it checks every 30 s or so, and may signal up to that much
+# earlier than asked): trap it first thing. The ranks poll this file after every step.
+export ZERO_REPRO_STOP_FILE="$JOB_DIR/stop_requested"
+rm -f "$ZERO_REPRO_STOP_FILE"
+trap 'echo "job $JOB: USR1, the time limit is near: the ranks checkpoint and stop"; touch "$ZERO_REPRO_STOP_FILE"' USR1
 LOG="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p' | head -n 1)"
 
 OVERRIDES=("$@")
@@ -78,15 +83,12 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export ZERO_REPRO_LAUNCHER="slurm"
-export ZERO_REPRO_STOP_FILE="$JOB_DIR/stop_requested"
-rm -f "$ZERO_REPRO_STOP_FILE"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
     set -- "$@" train.resume=true  # a requeued job continues from its latest checkpoint
     OVERRIDES=("$@")
 fi
 
 trap 'write_status timeout 143 "ended by Slurm (time limit or scancel)"; kill -TERM "$PID" 2>/dev/null; wait "$PID"; finalize_pending; exit 143' TERM INT
-trap 'echo "job $JOB: USR1, the time limit is near: the ranks checkpoint and stop"; touch "$ZERO_REPRO_STOP_FILE"' USR1
 echo "job $JOB: $NODES node(s) x $PER_NODE ranks, rendezvous $HEAD:$PORT, records in $JOB_DIR"
 echo "overrides: $*"
 write_status running - "started on $NODES node(s) x $PER_NODE"
@@ -101,7 +103,7 @@ while true; do  # a trapped USR1 interrupts `wait`: wait again until the ranks h
     kill -0 "$PID" 2>/dev/null || break
 done
 finalize_pending
-if [ -e "$ZERO_REPRO_STOP_FILE" ] && [ "$CODE" -ne 0 ]; then
+if [ -e "$ZERO_REPRO_STOP_FILE" ] && [ "$CODE" -ne 0 ] && grep -rqs --include='*.json' "at the launcher's request" "$JOB_DIR"; then
     trap - TERM INT
     write_status timeout "$CODE" "checkpointed at Slurm's warning before the time limit; requeued to resume (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
     echo "job $JOB: checkpointed before the time limit; requeueing"

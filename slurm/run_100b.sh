@@ -16,6 +16,11 @@
 #SBATCH --exclusive
 #SBATCH --time=02:00:00
 #SBATCH --output=results/slurm/%x-%j.log
+# Near the time limit Slurm signals the batch shell; launch.sh checkpoints, requeues, and the
+# requeued run resumes from the checkpoint (appending to the same log).
+#SBATCH --signal=B:USR1@600
+#SBATCH --requeue
+#SBATCH --open-mode=append
 ##SBATCH --partition=<partition>
 ##SBATCH --account=<account>
 exec "${ZERO_REPRO_DIR:-$SLURM_SUBMIT_DIR}/slurm/launch.sh" experiment_name=run_100b model=fig2_100b stage=2 gpus=400 tp=16 \

@@ -15,6 +15,11 @@
 #SBATCH --exclusive
 #SBATCH --time=02:00:00
 #SBATCH --output=results/slurm/%x-%A_%a.log
+# Near the time limit Slurm signals the batch shell; launch.sh checkpoints, requeues, and the
+# requeued run resumes from the checkpoint (appending to the same log).
+#SBATCH --signal=B:USR1@600
+#SBATCH --requeue
+#SBATCH --open-mode=append
 ##SBATCH --partition=<partition>
 ##SBATCH --account=<account>
 GPUS=(64 128 256 400)

@@ -44,6 +44,8 @@ class LocalSlurm:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.procs: list[subprocess.Popen] = []
         self.first_job_id = 1000 + int(time.time()) % 50000  # never a job id a stale step still holds
+        # cred_expire (job step credentials' lifetime, default 120 s) is also how long a requeued
+        # job waits before it starts again: 15 s keeps the requeue test short
 
     def write_conf(self) -> None:
         for sub in ("state", "spool", "log"):
@@ -69,6 +71,7 @@ SlurmdPidFile={self.dir}/slurmd.pid
 SlurmctldLogFile={self.dir}/log/slurmctld.log
 SlurmdLogFile={self.dir}/log/slurmd.log
 FirstJobId={self.first_job_id}
+AuthInfo=cred_expire=15
 SlurmctldPort=6817
 SlurmdPort=6818
 NodeName={self.host} CPUs={cpus} RealMemory={max(memory_mb - 1024, 1024)} State=UNKNOWN

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,71 @@ def test_slurm_launcher_needs_one_gpu_count():
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip() == (
         "error: with a Slurm launcher, give gpus one value (tasks per job follow it), e.g. gpus=8")
+
+
+def test_a_job_at_its_time_limit_checkpoints_requeues_and_resumes(slurm, tmp_path):
+    """A two-minute job warned 60 s before its limit (--time=2 --signal=B:USR1@60; the run_*.sh
+    scripts ask for USR1 600 s ahead) saves a checkpoint after the step in flight, leaves a
+    timeout record naming the step and the checkpoint, requeues itself and resumes from the
+    checkpoint until it finishes, with the final losses of an uninterrupted run. Slurm checks
+    time limits every 30 s and may signal that much early: the warning comes 30-60 s into each
+    run. train.fault=slow adds a second to each step, so that the tiny run outlasts one."""
+    point = ["cluster=local", "model=tiny_s", "gpus=2", "micro_batch=2", "train.steps=49", "train.warmup_steps=1",
+             "train.precision=auto"]
+    slurm.env["ZERO_REPRO_SLURM_RESULTS"] = str(tmp_path)
+    done = slurm.run("sbatch", "--parsable", f"--output={tmp_path}/%x-%j.log", *SMALL_NODE, "--time=2",
+                     "--signal=B:USR1@60", "slurm/run_7b_zero2.sh", *point, "train.fault=slow", cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    records_seen, deadline = [], time.monotonic() + 600
+    while time.monotonic() < deadline:
+        state = dict(word.split("=", 1) for word in slurm.run("scontrol", "show", "job", job).stdout.split()
+                     if word.startswith(("JobState=", "Restarts=")))
+        for record in load_records(tmp_path / job, "run_7b_zero2"):
+            if record["status"] == "timeout" and record not in records_seen:
+                records_seen.append(record)
+        if state.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"):
+            break
+        time.sleep(1)
+    log = next(tmp_path.glob(f"*-{job}.log")).read_text()
+    assert state.get("JobState") == "COMPLETED" and int(state["Restarts"]) >= 1, (state, log[-3000:])
+    assert "USR1, the time limit is near" in log and "checkpointed before the time limit; requeueing" in log
+    # Stopped at the warning: the point's record said timeout, with the step and where to resume.
+    stopped = records_seen[0]
+    assert stopped["resume"]["last_step"] >= 1 and Path(stopped["resume"]["checkpoint"]).name == \
+        f"step_{stopped['resume']['last_step']}"
+    assert "resume from" in stopped["error"] and validate_record(stopped) == []
+    [final] = load_records(tmp_path / job, "run_7b_zero2")
+    assert final["status"] == "ok" and validate_record(final) == [] and len(final["losses"]) == 50
+    assert final["resume"]["resumed_from"] is not None
+    assert json.loads((tmp_path / job / "job_status.json").read_text())["status"] == "ok"
+    reference = subprocess.run([sys.executable, "experiments/sweep.py", *point[1:], "stage=2",
+                                f"results_dir={tmp_path}/reference"], cwd=REPO, capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    [uninterrupted] = load_records(tmp_path / "reference", "cpu_default")
+    assert final["losses"] == uninterrupted["losses"]
+
+
+def test_a_job_killed_without_warning_leaves_a_timeout_record(slurm, tmp_path):
+    """Ended by TERM with no warning (scancel here; the time limit's TERM takes the same path,
+    also checked by hand with --time=1 and no --signal), the job's point still gets its record:
+    status timeout, the last step reached, the checkpoint to resume from (train.checkpoint_every)."""
+    slurm.env["ZERO_REPRO_SLURM_RESULTS"] = str(tmp_path)
+    done = slurm.run("sbatch", "--parsable", f"--output={tmp_path}/%x-%j.log", *SMALL_NODE, "slurm/run_7b_zero2.sh",
+                     *TINY, "train.steps=60", "train.fault=slow", "train.checkpoint_every=2", cwd=REPO)
+    job = done.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not list((tmp_path / job).glob("run_7b_zero2/checkpoints/*/step_4")):
+        time.sleep(0.5)
+    slurm.run("scancel", job)
+    while time.monotonic() < deadline and "JobState=CANCELLED" not in slurm.run("scontrol", "show", "job", job).stdout:
+        time.sleep(0.5)
+    time.sleep(2)  # the batch script's TERM trap finishes
+    status = json.loads((tmp_path / job / "job_status.json").read_text())
+    assert status["status"] == "timeout", status
+    [record] = load_records(tmp_path / job, "run_7b_zero2")
+    assert record["status"] == "timeout" and validate_record(record) == [], record
+    last, checkpoint = record["resume"]["last_step"], Path(record["resume"]["checkpoint"])
+    assert last >= 4 and checkpoint.name == f"step_{last // 2 * 2}" and (checkpoint / ".metadata").is_file()
+    assert f"after step {last}; resume from {checkpoint}" in record["error"]
