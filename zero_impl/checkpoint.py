@@ -455,4 +455,4 @@ if __name__ == "__main__":
         sys.exit("usage: python -m zero_impl.checkpoint export CHECKPOINT_DIR OUT.pt")
     exported = export(sys.argv[2], sys.argv[3])
     print(f"{sys.argv[3]}: {len(exported)} tensors, "
-          f"{sum(t.numel() for t in exported.values() if t.is_floating_point()):,} fp32 elements")
+          f"{sum(t.numel() for t in exported.values() if t.is_floating_point()):,} floating-point elements")
