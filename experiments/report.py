@@ -34,7 +34,8 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
     return {"table1": t1, "table1_wide": tables.table1_wide(t1), "table2": tables.table2(records),
             "throughput": tables.throughput_table(records), "memory": tables.memory_table(records),
             "communication": tables.comm_table(records), "throughput_predicted": tables.throughput_predicted(records),
-            "paper_claims": tables.paper_claims(records), "simulation": tables.simulation_table(records)}
+            "paper_claims": tables.paper_claims(records), "simulation": tables.simulation_table(records),
+            "largest": tables.largest_table(records)}
 
 
 def to_markdown(df: pd.DataFrame) -> str:

@@ -143,6 +143,7 @@ class SweepConfig:
     simulate: bool = False    # play one rank of each point's full world on fake tensors (experiments/simulate.py)
     simulate_rank: int = 0    # the rank simulate=true plays
     simulate_workers: int = 0  # points simulated at once (0: the CPU count)
+    simulate_largest: bool = False  # with simulate: search each row's model family for the most layers that fit (experiments/largest.py)
 
 
 @dataclass

@@ -340,6 +340,8 @@ def simulated_record(point: Point, precision: str, result: dict | None, error: s
                 **v, "cause": cause},
         comm={"elements_per_step": last["elements"], "bytes_per_step": last["bytes"],
               "theory_elements_per_step": theory, "by_kind": last["by_kind"], "by_purpose": last["by_purpose"],
+              # ZeroDP's own traffic (what 2Ψ/3Ψ counts), without ZeRO-R's Pa all-gathers over the TP group
+              "dp_elements_per_step": sum(v["elements"] for k, v in last["by_purpose"].items() if k != "activations"),
               "loss_scale": stats["loss_scale"], "skipped_steps": stats["skipped_steps"],
               "tp_megatron": {"counted": megatron_tp,
                               "elements_per_step": sum(r["elements"] for r in megatron_tp.values()) // result["steps"],
@@ -521,7 +523,10 @@ def simulated_summary_rows(points: list[Point], results_dir: Path) -> list[dict]
             "reserve_GB": mem.get("cuda_reserve_bytes", 0) / gb if "peak_bytes" in mem else None,
             "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
             "cause": mem.get("cause") if r.get("status") == "oom" else None,
-            "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
+            "zero_r": "/".join(n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
+                                              ("contiguous_memory_optimization", "MD")) if point.zero.get(k)) or "-",
+            "comm_elements": comm.get("dp_elements_per_step", comm.get("elements_per_step")),
+            "comm_theory": comm.get("theory_elements_per_step"),
             "tp_elements": (comm.get("tp_megatron") or {}).get("elements_per_step"),
             "tp_theory": (comm.get("tp_megatron") or {}).get("theory_elements_per_step"),
             "status": r.get("status", "missing"), "measured_by": r.get("measured_by", MEASURED_BY),
@@ -532,13 +537,13 @@ def simulated_summary_rows(points: list[Point], results_dir: Path) -> list[dict]
 def simulated_summary_markdown(rows: list[dict]) -> str:
     def num(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
-    lines = ["| model | params (B) | GPUs | TP | DP | stage | micro-batch | peak (GB, simulated) | states | activations "
-             "| buffers | temporaries | analytic (GB) | + reserve | device | status | cause | comm/step | theory "
-             "| TP comm/step | TP theory |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | params (B) | GPUs | TP | DP | stage | ZeRO-R | micro-batch | peak (GB, simulated) | states "
+             "| activations | buffers | temporaries | analytic (GB) | + reserve | device | status | cause | DP comm/step "
+             "| theory | TP comm/step | TP theory |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['params_B']:.3f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} "
+            f"| {r['model']} | {r['params_B']:.3f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['zero_r']} "
             f"| {r['micro_batch']} | {num(r['peak_GB'])} | {num(r['states_GB'])} | {num(r['activations_GB'])} "
             f"| {num(r['buffers_GB'])} | {num(r['temporaries_GB'])} | {num(r['analytic_GB'])} | {num(r['reserve_GB'])} "
             f"| {num(r['device_GB'], '{:.0f}')} | {r['status']} | {r['cause'] or '-'} "

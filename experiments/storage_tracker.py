@@ -20,7 +20,8 @@ while the model is built on the host are not device memory:
                       outputs, anything the engine allocates outside its persistent states
     temporaries       everything else: gradients of activations, the optimizer step's temporaries
     host              (not device memory) megatron's CPU initialization: the full fp32 TP=1 weight
-                      drawn on the host before each rank keeps its slice
+                      drawn on the host before each rank keeps its slice; ZeRO-R's Pa+cpu
+                      checkpoint slices (zero_impl/activations.py, `pool == "host"`)
 
 A storage's kind is decided when it is allocated, from the phase the runner is in
 (`tracker.phase`: build, initialize, forward, backward, step) and the innermost frame of the
@@ -206,6 +207,8 @@ class StorageTracker(TorchDispatchMode):
                 return _INITIALIZE_KINDS.get(file, "buffers")
             if file in _ENGINE_BUFFER_FILES:
                 return "buffers"
+            if file == "activations.py":  # ZeRO-R: the kept checkpoints (slices, MD's arena) in forward,
+                return "activations" if phase == "forward" else "buffers"  # CB's gather/prefetch pools after
             return "activations" if phase == "forward" else "temporaries"  # engine.py casts, optimizer.py
         if origin == "optimizer_init":
             return "optimizer_states"
@@ -263,13 +266,27 @@ def _origin(frame, phase: str) -> str:
         if name in _HOST_FUNCTIONS:
             return "host"
         if filename.startswith(_ZERO):
-            return "zero_impl/" + filename[len(_ZERO):]
+            rel = filename[len(_ZERO):]
+            if rel == "activations.py" and _host_pool(frame):
+                return "host"
+            return "zero_impl/" + rel
         if "/torch/optim/" in filename:
             return "optimizer_init" if name == "_init_group" else "optimizer"
         if phase == "backward" and name in ("forward", "backward") and "/torch/utils/_python_dispatch" not in filename:
             return name
         frame = frame.f_back
     return ""
+
+
+def _host_pool(frame) -> bool:
+    """ZeRO-R's Pa+cpu (zero_impl/activations.py) keeps checkpoint slices in host memory: its
+    frames that allocate them have `pool == "host"`. On a GPU they would be on the CPU; in a
+    simulation every tensor is on the CPU, so they are told apart here."""
+    while frame is not None and frame.f_code.co_filename.endswith("zero_impl/activations.py"):
+        if frame.f_locals.get("pool") == "host":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def label_engine(tracker: StorageTracker, engine) -> None:

@@ -188,6 +188,10 @@ def run_sweep(cfg: DictConfig) -> int:
     if cfg.dry_run:
         dry_run(points)
         return 0
+    if cfg.simulate and cfg.simulate_largest:  # the largest model of each row's family that fits (experiments/largest.py)
+        from experiments.largest import run_sweep_largest
+        return run_sweep_largest(points, _absolute(cfg.results_dir) / cfg.experiment.name, rank=cfg.simulate_rank,
+                                 workers=cfg.simulate_workers)
     if cfg.simulate:  # one rank of each point's full world, on fake tensors (experiments/simulate.py)
         from experiments.simulate import run_sweep_simulated
         return run_sweep_simulated(points, _absolute(cfg.results_dir) / cfg.experiment.name, rank=cfg.simulate_rank,

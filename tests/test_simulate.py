@@ -203,3 +203,30 @@ def test_sweep_and_train_simulate_cli(tmp_path):
     assert one.returncode == 0, one.stderr
     (record,) = load_records(tmp_path, "one")
     assert record["measured_by"] == "simulated" and record["tp"] == 2 and record["dp"] == 32
+
+
+# -- the largest model, by search (experiments/largest.py) ----------------------------------------
+def test_largest_search_converges_on_a_line():
+    """Peaks linear in depth (as simulated ones nearly are), off the analytic model by 30%: the
+    search starts at the analytic bracket and ends with a fitting depth and a failing depth + 1,
+    in at most 5 simulations; the rows searched are the largest of each (stage, MP, GPUs)."""
+    from experiments import largest
+
+    row = make_point("fig4_13b", 2, 128, 1, 2, cluster="dgx2_v100")
+    search = largest.Search(row)
+    assert search.analytic_layers > 0 and search.limit == 31e9
+    per_layer = 1.3 * (search._analytic(search.analytic_layers + 1) - search._analytic(search.analytic_layers))
+    base = search._analytic(1)
+
+    def peak(layers: int) -> int:
+        return int(base + per_layer * (layers - 1))
+
+    while (layers := search.next_layers()) is not None:
+        search.peaks[layers] = peak(layers)
+    result = search.result()
+    expected = max(n for n in range(1, largest.MAX_LAYERS) if peak(n) <= search.limit)
+    assert result["simulated_max_layers"] == expected and result["confirmed"]
+    assert len(result["simulations"]) <= 5
+    assert result["analytic_max_layers"] > expected  # the analytic model was 30% optimistic here
+    rows = [make_point("tiny_s", 2, 64, 1, 2), make_point("tiny_m", 2, 64, 1, 2), make_point("tiny_s", 0, 64, 1, 2)]
+    assert [(p.model["name"], p.stage) for p in largest.rows_to_search(rows)] == [("tiny_m", 2), ("tiny_s", 0)]

@@ -91,6 +91,8 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
     and measured columns; our measured column from records of the table2 experiment."""
     paper = pd.read_csv(paper_dir / "table2_max_model_size.csv", dtype=str)
     measured = _table2_measured(records)
+    largest = {(r["tp"], r["stage"]): f"{r['simulated_max_params'] / 1e9:.1f}B (simulated)"
+               for r in largest_results(records) if r["experiment"] == "table2"}
     rows = []
     for _, r in paper.iterrows():
         mp = int(r["mp"])
@@ -109,6 +111,8 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
         row["measured_Pos_paper"] = r["measured_ZeRO-DP_Pos"]
         row["measured_baseline_ours"] = measured.get((mp, 0), "not run")
         row["measured_Pos_ours"] = measured.get((mp, 1), "not run")
+        row["largest_baseline_simulated"] = largest.get((mp, 0), "not searched")
+        row["largest_Pos_simulated"] = largest.get((mp, 1), "not searched")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -116,7 +120,7 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
 def _table2_measured(records: list[dict]) -> dict[tuple[int, int], str]:
     out = {}
     for r in records:
-        if r.get("experiment") != "table2":
+        if r.get("experiment") != "table2" or r.get("measured_by") == "simulated":
             continue
         key = (r["tp"], r["stage"])
         label = f"{r['params'] / 1e9:.1f}B"
@@ -246,6 +250,11 @@ def paper_verdict(record: dict) -> tuple[str, bool | None]:
     experiment, status = record.get("experiment"), record.get("status")
     cause = record.get("memory", {}).get("cause")
     if experiment in ZERO_R_EXPERIMENTS and record.get("stage", 0) > 0:
+        zero = record.get("config", {}).get("zero", {})
+        switches = [name for key, name in (("partition_activations", "Pa"), ("cpu_checkpointing", "Pa+cpu"),
+                                           ("contiguous_memory_optimization", "MD")) if zero.get(key)]
+        if switches:  # simulated with its ZeRO-R configuration: it must fit, as it ran
+            return f"ran, with ZeRO-R ({', '.join(switches)} here)", status == "ok"
         return "ran, with ZeRO-R (Pa, CB, MD)", status == "ok" or (status == "oom" and cause == "activations")
     if experiment in ZERO_R_EXPERIMENTS + ("fig4",):
         return "ran", status == "ok"
@@ -281,17 +290,52 @@ def simulation_table(records: list[dict]) -> pd.DataFrame:
             "cuda_reserve_GB": mem["cuda_reserve_bytes"] / gb if "cuda_reserve_bytes" in mem else None,
             "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
             "status": r["status"], "cause": mem.get("cause") or "-",
-            "comm_per_psi": comm["elements_per_step"] / r["params_per_gpu"]
+            "zero_r": "/".join(n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
+                                              ("contiguous_memory_optimization", "MD"))
+                               if r.get("config", {}).get("zero", {}).get(k)) or "-",
+            "comm_per_psi": comm.get("dp_elements_per_step", comm.get("elements_per_step")) / r["params_per_gpu"]
             if comm.get("elements_per_step") is not None and r.get("params_per_gpu") and r["dp"] > 1 else None,
             "tp_elements": tp.get("elements_per_step"), "tp_theory": tp.get("theory_elements_per_step"),
             "paper": paper, "agrees_with_paper": agrees, "measured_by": "simulated"})
     return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS))
 
 
-SIMULATION_COLUMNS = ("experiment", "model", "params_B", "gpus", "mp", "dp", "stage", "micro_batch", "precision", "rank",
-                      "peak_GB", "model_states_GB", "activations_GB", "buffers_GB", "temporaries_GB", "peak_phase",
+SIMULATION_COLUMNS = ("experiment", "model", "params_B", "gpus", "mp", "dp", "stage", "zero_r", "micro_batch", "precision",
+                      "rank", "peak_GB", "model_states_GB", "activations_GB", "buffers_GB", "temporaries_GB", "peak_phase",
                       "analytic_GB", "cuda_reserve_GB", "device_GB", "status", "cause", "comm_per_psi", "tp_elements",
                       "tp_theory", "paper", "agrees_with_paper", "measured_by")
+
+
+def largest_results(records: list[dict]) -> list[dict]:
+    """The searches of experiments/largest.py, from the records of their largest fitting models."""
+    return [r["largest_search"] for r in records if r.get("measured_by") == "simulated" and r.get("largest_search")]
+
+
+def largest_table(records: list[dict]) -> pd.DataFrame:
+    """The largest model of each searched row's family that fits (experiments/largest.py): the
+    analytic bracket, the simulated maximum (confirmed when the next depth was simulated and did
+    not fit), every simulated depth, and the paper's number (Table 2's measured columns; Figure
+    4's 13B with ZeRO and 1.4B with DP alone)."""
+    rows = []
+    for r in largest_results(records):
+        sims = r["simulations"]
+        above = [s for s in sims if s["layers"] == r["simulated_max_layers"] + 1]
+        at = [s for s in sims if s["layers"] == r["simulated_max_layers"]]
+        rows.append({
+            "experiment": r["experiment"], "stage": STAGE_NAMES[r["stage"]], "mp": r["tp"], "gpus": r["gpus"],
+            "dp": r["dp"], "micro_batch": r["micro_batch"], "family": f"h {r['hidden']}, {r['heads']} heads",
+            "analytic_max_B": r["analytic_max_params"] / 1e9, "analytic_max_layers": r["analytic_max_layers"],
+            "simulated_max_B": r["simulated_max_params"] / 1e9, "simulated_max_layers": r["simulated_max_layers"],
+            "peak_GB_at_max": at[0]["peak_bytes"] / 1e9 if at else None,
+            "peak_GB_one_layer_more": above[0]["peak_bytes"] / 1e9 if above else None,
+            "limit_GB": r["limit_bytes"] / 1e9, "confirmed": r["confirmed"], "simulations": len(sims),
+            "paper": r["paper"], "measured_by": "simulated"})
+    return pd.DataFrame(rows, columns=list(LARGEST_COLUMNS))
+
+
+LARGEST_COLUMNS = ("experiment", "stage", "mp", "gpus", "dp", "micro_batch", "family", "analytic_max_B",
+                   "analytic_max_layers", "simulated_max_B", "simulated_max_layers", "peak_GB_at_max",
+                   "peak_GB_one_layer_more", "limit_GB", "confirmed", "simulations", "paper", "measured_by")
 
 
 def _hardware(record: dict) -> str:

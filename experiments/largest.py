@@ -1,0 +1,256 @@
+"""The largest model that fits, by search: analytic bracket, simulated confirmation.
+
+    python experiments/sweep.py experiment=table2 simulate=true simulate_largest=true
+    python experiments/sweep.py experiment=fig4 simulate=true simulate_largest=true
+
+For each row of an experiment (for each (stage, TP, GPUs) the row with the most parameters:
+Table 2's ten rows; Figure 4's largest ZeRO and baseline points), the model family of that row
+(its hidden size, heads, sequence and vocabulary fixed, the number of layers varied, as the
+paper's Table 4 and appendix grow a model) is searched for the most layers whose simulated
+peak plus the cluster's CUDA reserve fits the device:
+
+1. the analytic model (points.predicted_memory_bytes) gives the largest fitting depth L_a;
+2. rank `simulate_rank` of the full world is simulated (experiments/simulate.py) at L_a, then at
+   the depth where the line through the two simulated peaks nearest the limit (one peak and the
+   analytic per-layer slope at first) crosses it, until a fitting depth L and a failing L + 1
+   are both simulated: memory grows almost linearly with depth, so that takes 2-4 simulations;
+   at most `MAX_SIMULATIONS` per row.
+
+The largest fitting candidate's record goes to <experiment>/simulated/ with a `largest_search`
+entry (every simulated depth, the analytic bracket, the paper's number); the other candidates'
+records to <experiment>/simulated/search/. reports: the `largest` table, Table 2's simulated
+columns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from experiments import records
+from experiments.models.megatron_gpt import parameter_count
+from experiments.points import Point, predicted_memory_bytes
+from experiments.simulate import (_start, is_gpu_cluster, simulated_path, simulated_precision, simulated_record,
+                                  verdict)
+
+MAX_SIMULATIONS = 8
+MAX_LAYERS = 4096
+PAPER_DIR = records.REPO / "results" / "paper"
+
+
+def family_point(point: Point, layers: int) -> Point:
+    """`point` with its model grown or shrunk to `layers` layers (hidden, heads, seq, vocab kept)."""
+    model = dict(point.model, layers=layers, name=f"{point.model['name']}@L{layers}", label="")
+    return dataclasses.replace(point, model=model, note=f"largest {point.model['name']} family")
+
+
+def rows_to_search(points: list[Point]) -> list[Point]:
+    """For each (stage, TP, GPUs), the point with the most parameters."""
+    best: dict[tuple, Point] = {}
+    for p in points:
+        key = (p.stage, p.tp, p.gpus)
+        if key not in best or parameter_count(p.shape, p.tp) > parameter_count(best[key].shape, best[key].tp):
+            best[key] = p
+    return [p for p in points if best.get((p.stage, p.tp, p.gpus)) is p]
+
+
+def limit_bytes(point: Point) -> float:
+    """Device bytes left for tensors: device memory less the CUDA reserve."""
+    v = verdict(point, 0)
+    if v["device_bytes"] is None:
+        raise ValueError(f"point ({point.describe()}): its cluster has no device_memory_gb; nothing to fit")
+    return v["device_bytes"] - v["cuda_reserve_bytes"]
+
+
+def analytic_max_layers(point: Point, precision: str) -> int:
+    """The most layers whose analytic peak fits (0: not even one)."""
+    limit = limit_bytes(point)
+
+    def fits(layers: int) -> bool:
+        return predicted_memory_bytes(family_point(point, layers), precision)["total"] <= limit
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_LAYERS and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, MAX_LAYERS + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def paper_largest(point: Point) -> str:
+    """The paper's largest trained model for the row: Table 2's measured columns, or Figure 4's
+    text (13B with ZeRO-100B without MP; 1.4B with DP alone)."""
+    if point.experiment == "table2":
+        table = pd.read_csv(PAPER_DIR / "table2_max_model_size.csv", dtype=str)
+        row = table[table["mp"] == str(point.tp)]
+        column = {0: "measured_baseline", 1: "measured_ZeRO-DP_Pos"}.get(point.stage)
+        return row.iloc[0][column] if column and len(row) else "-"
+    if point.experiment == "fig4":
+        return {2: "13B (Sec 10.4)", 0: "1.4B (Sec 1, 10.4)"}.get(point.stage, "-")
+    return "-"
+
+
+class Search:
+    """The search state of one row."""
+
+    def __init__(self, row: Point, max_simulations: int = MAX_SIMULATIONS) -> None:
+        self.row, self.max_simulations = row, max_simulations
+        self.precision = simulated_precision(row)
+        self.limit = limit_bytes(row)
+        self.analytic_layers = analytic_max_layers(row, self.precision)
+        self.peaks: dict[int, int] = {}           # layers -> simulated peak bytes
+        self.records: dict[int, dict] = {}
+        self.failed: str | None = None
+        self.stalled = False   # the next depth was simulated already (a peak not monotonic in depth)
+        self.pending: int | None = None
+
+    def _analytic(self, layers: int) -> float:
+        return predicted_memory_bytes(family_point(self.row, layers), self.precision)["total"]
+
+    @property
+    def bracket(self) -> tuple[int, int | None]:
+        fit = [n for n, p in self.peaks.items() if p <= self.limit]
+        fail = [n for n, p in self.peaks.items() if p > self.limit]
+        return max(fit, default=0), min(fail, default=None)
+
+    @property
+    def done(self) -> bool:
+        lo, hi = self.bracket
+        return (bool(self.failed) or self.stalled or (hi is not None and hi <= lo + 1)
+                or len(self.peaks) >= self.max_simulations)
+
+    def next_layers(self) -> int | None:
+        if self.done or self.pending is not None:
+            return None
+        if not self.peaks:
+            return max(1, self.analytic_layers)
+        lo, hi = self.bracket
+        nearest = sorted(self.peaks.items(), key=lambda kv: abs(kv[1] - self.limit))[:2]
+        (n0, p0) = nearest[0]
+        if len(nearest) == 2 and nearest[1][0] != n0:
+            slope = (nearest[1][1] - p0) / (nearest[1][0] - n0)
+        else:
+            slope = self._analytic(n0 + 1) - self._analytic(n0)
+        guess = n0 + int((self.limit - p0) // slope) if slope > 0 else n0 + 1
+        if guess in self.peaks:  # the line says this one; test its neighbour across the limit
+            guess = guess + 1 if self.peaks[guess] <= self.limit else guess - 1
+        guess = max(guess, lo + 1)
+        if hi is not None:
+            guess = min(guess, hi - 1)
+        guess = max(1, min(guess, MAX_LAYERS))
+        if guess in self.peaks:
+            self.stalled = True
+            return None
+        return guess
+
+    def result(self) -> dict:
+        lo, hi = self.bracket
+        row = self.row
+        params = parameter_count(family_point(row, lo).shape, row.tp) if lo else 0
+        return {
+            "row_point_id": row.point_id, "experiment": row.experiment, "row_model": row.model["name"],
+            "stage": row.stage, "tp": row.tp, "gpus": row.gpus, "dp": row.dp, "micro_batch": row.micro_batch,
+            "hidden": row.shape.hidden, "heads": row.shape.heads, "precision": self.precision,
+            "limit_bytes": self.limit,
+            "analytic_max_layers": self.analytic_layers,
+            "analytic_max_params": parameter_count(family_point(row, self.analytic_layers).shape, row.tp)
+            if self.analytic_layers else 0,
+            "simulated_max_layers": lo, "simulated_max_params": params,
+            "confirmed": hi == lo + 1 if hi is not None else False,
+            "simulations": [{"layers": n, "params": parameter_count(family_point(row, n).shape, row.tp),
+                             "peak_bytes": p, "fits": p <= self.limit} for n, p in sorted(self.peaks.items())],
+            "paper": paper_largest(row), "error": self.failed,
+        }
+
+
+def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
+                max_simulations: int = MAX_SIMULATIONS) -> list[dict]:
+    """Search every row (rows_to_search), up to `workers` simulations at once; write the records
+    and return each row's result."""
+    import os
+    ctx = multiprocessing.get_context("fork")
+    workers = max(1, workers or os.cpu_count() or 1)
+    searches = [Search(row, max_simulations) for row in rows_to_search(points)]
+    running = []
+    while any(not s.done for s in searches) or running:
+        for s in searches:
+            if len(running) >= workers:
+                break
+            layers = s.next_layers()
+            if layers is None:
+                continue
+            point = family_point(s.row, layers)
+            proc, conn = _start(ctx, point.as_dict(), s.precision, rank, True if is_gpu_cluster(point) else None)
+            s.pending = layers
+            running.append((s, point, proc, conn, records.now(), time.monotonic()))
+        time.sleep(0.05)
+        for item in list(running):
+            s, point, proc, conn, started, t0 = item
+            if conn.poll():
+                try:
+                    ok, payload = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
+            elif not proc.is_alive():
+                ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
+            elif time.monotonic() - t0 > point.train["timeout_s"]:
+                proc.kill()
+                ok, payload = False, f"simulation timed out after {point.train['timeout_s']:.0f} s"
+            else:
+                continue
+            running.remove(item)
+            proc.join(5)
+            conn.close()
+            s.pending = None
+            if not ok:
+                s.failed = payload
+                print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''}", file=sys.stderr)
+                continue
+            record = simulated_record(point, s.precision, payload, None, started, rank)
+            s.peaks[point.shape.layers] = record["memory"]["peak_bytes"]
+            s.records[point.shape.layers] = record
+            print(f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
+                  f"{record['params'] / 1e9:.2f}B, peak {record['memory']['peak_bytes'] / 1e9:.2f} GB "
+                  f"({payload.get('wall_s', 0):.0f} s)", file=sys.stderr, flush=True)
+    results = []
+    for s in searches:
+        result = s.result()
+        for layers, record in s.records.items():
+            if layers == result["simulated_max_layers"]:
+                record["largest_search"] = result
+                records.write_record(simulated_path(results_dir, family_point(s.row, layers)), record)
+            else:
+                records.write_record(results_dir / "simulated" / "search" / f"{record['point_id']}.json", record)
+        results.append(result)
+    return results
+
+
+def largest_markdown(results: list[dict]) -> str:
+    lines = ["| experiment | stage | MP | GPUs | micro-batch | family (h, heads) | analytic max | simulated max "
+             "| simulations | paper |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    for r in results:
+        sims = ", ".join(f"{s['layers']}{'✓' if s['fits'] else '✗'}" for s in r["simulations"])
+        lines.append(f"| {r['experiment']} | {r['stage']} | {r['tp']} | {r['gpus']} | {r['micro_batch']} "
+                     f"| {r['hidden']}, {r['heads']} | {r['analytic_max_params'] / 1e9:.2f}B ({r['analytic_max_layers']} L) "
+                     f"| {r['simulated_max_params'] / 1e9:.2f}B ({r['simulated_max_layers']} L) | {sims} | {r['paper']} |")
+    return "\n".join(lines)
+
+
+def run_sweep_largest(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int = 0) -> int:
+    """sweep.py simulate=true simulate_largest=true."""
+    from experiments.simulate import check_simulate_rank
+    check_simulate_rank(points, rank)
+    started = time.perf_counter()
+    results = run_largest(points, results_dir, rank=rank, workers=workers or None)
+    print(largest_markdown(results))
+    print(f"searched {len(results)} rows in {time.perf_counter() - started:.0f} s; records in {results_dir / 'simulated'}")
+    return 0
