@@ -376,16 +376,15 @@ def simulated_memory(records: list[dict]) -> Figure:
     for r in sims:
         by_exp.setdefault(r["experiment"], []).append(r)
     chosen = sorted(by_exp, key=lambda e: -len(by_exp[e]))[:2]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, axes = plt.subplots(1, max(1, len(chosen)), figsize=(13, 5.6), squeeze=False)
     fig.suptitle("SIMULATED peak device memory of one rank at the point's full world size (fake tensors; "
                  "CUDA 512-byte blocks; not seen: fragmentation, NCCL buffers, kernel workspaces)", fontsize=9)
-    for ax, experiment in zip(axes, chosen + [None] * (2 - len(chosen))):
-        if experiment is None:
-            _empty(ax, "no simulated records" if not chosen else "")
-            ax.set_axis_off() if chosen else None
-            continue
+    if not chosen:
+        _empty(axes[0][0], "no simulated records")
+    for ax, experiment in zip(axes[0], chosen):
         rs = sorted(by_exp[experiment], key=lambda r: (r["stage"] == 0, r["params"]))
-        labels = [f"{r['model']['name']}\n{STAGE_NAMES[r['stage']]} MP{r['tp']}\n{r['status']}" for r in rs]
+        labels = [f"{r['model']['name']}\n{STAGE_NAMES[r['stage']]} MP{r['tp']}{_zero_r_label(r)}\n{r['status']}"
+                  for r in rs]
         bottom = [0.0] * len(rs)
         for kind, color in SIM_KINDS.items():
             heights = [r["memory"]["peak_by_kind"].get(kind, 0) / 1e9 for r in rs]
@@ -398,11 +397,17 @@ def simulated_memory(records: list[dict]) -> Figure:
             ax.axhline(top, color="k", lw=1.2, label=f"device {top:g} GB")
             ax.axhline(top - reserve, color="k", lw=1, ls="--", label=f"less CUDA reserve {reserve:g} GB")
         ax.set_xticks(range(len(rs)), labels, fontsize=6, rotation=90)
-        ax.set(ylabel="GB (simulated)", yscale="log" if max(bottom) > 4 * (max(d or 0 for d in device) / 1e9 or 1) else "linear",
-               title=f"{experiment}: rank {rs[0].get('simulated_rank', 0)} of each point (SIMULATED)")
-        ax.legend(fontsize=6, ncol=2)
+        ax.set(ylabel="GB (simulated)", title=f"{experiment}: rank {rs[0].get('simulated_rank', 0)} of each point (SIMULATED)")
+        ax.legend(fontsize=6, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.06), frameon=False)
         ax.grid(alpha=0.3, axis="y")
     return fig
+
+
+def _zero_r_label(record: dict) -> str:
+    zero = record.get("config", {}).get("zero", {})
+    names = [n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
+                            ("contiguous_memory_optimization", "MD")) if zero.get(k)]
+    return f" {'+'.join(names)}" if names else ""
 
 
 FIGURES = {"throughput_vs_size": throughput_vs_size, "scaling": scaling, "largest_model": largest_model,
