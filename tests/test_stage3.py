@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import zlib
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -243,3 +245,29 @@ def test_model_without_module_list_warns_and_still_trains():
         engine = zero_impl.initialize(torch.nn.Linear(4, 3), zero_impl.ZeroConfig(stage=3), adamw)
     engine.backward(engine(torch.ones(2, 4)).sum())
     assert engine.step()
+
+
+def _meta_split_module(threshold: int) -> list[float]:
+    """Linear layers built on the meta device whose bias is under the persistence threshold
+    and whose weight is not: each module's parameters fall in two units."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)]))
+    model.forward = lambda x: model[0][1](torch.relu(model[0][0](x)))
+    torch.manual_seed(0)
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3, stage3_param_persistence_threshold=threshold),
+                                  adamw)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses = []
+    for _ in range(3):
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_meta_module_split_across_units_initializes_each_parameter_once():
+    """Initializing the bias's unit must not write into the weight's released unit (it did: a
+    segfault), whatever reset_parameters() touches."""
+    for losses in spawn(_meta_split_module, 2, 16, timeout=60):
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]

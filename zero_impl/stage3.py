@@ -23,6 +23,8 @@ persistent unit that stays gathered and is all-gathered once after each step.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from typing import Callable
 
 import torch
@@ -85,13 +87,14 @@ class Stage3Params:
             owned = {id(s.param) for s in on_meta}
             for m in model.modules():
                 if any(id(p) in owned for p in m.parameters(recurse=False)):
-                    if init is not None:
-                        init(m)
-                    elif hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
-                    else:
-                        raise ValueError(f"{type(m).__name__} has parameters on the meta device but no "
-                                         "reset_parameters(); pass param_init_fn to initialize()")
+                    with _hide_other_units(m, owned):
+                        if init is not None:
+                            init(m)
+                        elif hasattr(m, "reset_parameters"):
+                            m.reset_parameters()
+                        else:
+                            raise ValueError(f"{type(m).__name__} has parameters on the meta device but no "
+                                             "reset_parameters(); pass param_init_fn to initialize()")
         for s in unit.slots:
             if not s.param.is_meta:
                 full[s.start - unit.start:s.end - unit.start].copy_(s.param.detach().reshape(-1))
@@ -295,3 +298,17 @@ def _replace_parameter(model: nn.Module, old: nn.Parameter, storage: torch.Tenso
                 m._parameters[key] = new
     return new
 
+
+@contextmanager
+def _hide_other_units(module: nn.Module, owned: set[int]):
+    """While `module` is initialized for one unit, its parameters that an earlier unit already
+    materialized (a bias under the persistence threshold, a weight in another unit) view storage
+    that unit has released: stand meta tensors in for them, so the init cannot write there."""
+    hidden = {k: p for k, p in module._parameters.items()
+              if p is not None and id(p) not in owned and not p.is_meta}
+    for k, p in hidden.items():
+        module._parameters[k] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        module._parameters.update(hidden)
