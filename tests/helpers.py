@@ -105,7 +105,7 @@ def zero_run(steps: int, accum: int, tie_blocks: bool = False, **config) -> dict
     model = make_model(tie_blocks, dtype=torch.float64 if config.get("precision") == "fp64" else torch.float32)
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(grad_accum_steps=accum, **config),
                                   optimizer=adamw, param_groups=param_groups(model))
-    losses, applied = [], []
+    losses, applied, norms = [], [], []
     for step in range(steps):
         batch = global_batch(step, world, accum)
         total = torch.zeros((), dtype=torch.float64)
@@ -117,7 +117,9 @@ def zero_run(steps: int, accum: int, tie_blocks: bool = False, **config) -> dict
             applied.append(engine.step())
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return {"params": engine.full_parameters(), "losses": losses, "applied": applied, "stats": engine.stats()}
+        norms.append(engine.stats()["grad_norm"])
+    return {"params": engine.full_parameters(), "losses": losses, "applied": applied, "norms": norms,
+            "stats": engine.stats()}
 
 
 def fp64_tolerance(*, steps: int, lr: float, tokens: int, widest_sums: int, adam_eps: float = 1e-8) -> float:

@@ -46,11 +46,15 @@ def test_reference_clips():
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp64_matches_adamw(stage, world):
-    params, losses, _ = reference(world)
+    params, losses, norms = reference(world)
     results = run(world, stage=stage, precision="fp64", clip_grad_norm=CLIP, reduce_bucket_size=500)
     assert_ranks_identical(results)
     assert max_abs_diff(results[0]["params"], params) < FP64_TOL
     assert max(abs(a - b) for a, b in zip(results[0]["losses"], losses)) < FP64_TOL
+    # Each step's global gradient norm too: Adam is nearly blind to a gradient's scale, so a
+    # wrong averaging or unscaling would hide in the parameters; it cannot hide here (float64
+    # sums of the same terms: relative differences ~1e-15).
+    assert max(abs(a - b) / b for a, b in zip(results[0]["norms"], norms)) < 1e-12
     assert all(results[0]["applied"][ACCUM - 1::ACCUM]) and not any(results[0]["applied"][0::ACCUM])
 
 

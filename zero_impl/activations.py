@@ -306,6 +306,7 @@ class ActivationCheckpoints:
             stream.wait_stream(torch.cuda.current_stream(ckpt.device))  # `dst` may have been read there
             with torch.cuda.stream(stream):
                 dst.copy_(ckpt.part, non_blocking=True)
+                dst.record_stream(stream)  # the allocator must not hand `dst` out while this copy runs
                 event = torch.cuda.Event()
                 event.record(stream)
         else:

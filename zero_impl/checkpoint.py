@@ -105,7 +105,15 @@ def _boxes(a: int, e: int, flat: torch.Tensor, cols: int, col0: int) -> list:
 
 
 def _tp_dim(p: torch.Tensor) -> int | None:
-    return p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+    """The dim megatron shards `p` along (None: replicated). Only contiguous slices are keyed
+    right: a strided partition (partition_stride > 1, e.g. interleaved gated-MLP halves) is
+    refused rather than stored in the wrong TP=1 coordinates."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    if getattr(p, "partition_stride", 1) != 1:
+        raise ValueError(f"a tensor-parallel parameter with partition_stride {p.partition_stride} cannot be "
+                         "checkpointed in TP=1 coordinates yet")
+    return p.partition_dim
 
 
 def _live(engine) -> tuple[dict, dict]:

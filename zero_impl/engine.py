@@ -24,7 +24,7 @@ from .comm import CommLedger, Communicator
 from .config import ZeroConfig
 from .flat_params import FlatParamBuffer
 from .grad_reducer import MAX_INFLIGHT_STAGING, BucketedGradReducer
-from .layout import BUCKET_ALIGN, PARAM_ALIGN, Slot
+from .layout import BUCKET_ALIGN, PARAM_ALIGN, Slot, round_up
 from .loss_scaler import LossScaler
 from .memory import storage_bytes
 from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer
@@ -227,7 +227,9 @@ class ZeroEngine(nn.Module):
         module.named_parameters(), identical on every rank.
 
         Trainable parameters come from the masters; the all-gather this needs is counted
-        under the purpose "export", outside the per-step figures.
+        under the purpose "export", outside the per-step figures. For tests and small models:
+        it materializes the whole model in fp32 on this device, twice (13B: about 104 GB), so at
+        the paper's sizes export through zero_impl.checkpoint instead (sharded, to disk).
         """
         self._check_open()
         flat = self.sharded_optimizer.full_master(self.params.numel, self.params.buckets,
@@ -317,7 +319,7 @@ class ZeroEngine(nn.Module):
         if self.config.stage == 3:  # a unit's trainable parameters are one bucket: a layer sets the bound
             bucket = max([b.numel for b in self.params.buckets], default=0)
         else:  # each parameter may add up to PARAM_ALIGN - 1 elements of alignment
-            bucket = max([_round_up(b.slots[0].numel if len(b.slots) == 1 else
+            bucket = max([round_up(b.slots[0].numel if len(b.slots) == 1 else
                                     self.config.reduce_bucket_size + (PARAM_ALIGN - 1) * len(b.slots), multiple)
                           for b in self.params.buckets], default=0)
         staging = (MAX_INFLIGHT_STAGING + 1) * bucket + MAX_INFLIGHT_STAGING * bucket // n if self.config.stage >= 2 else 0
@@ -413,7 +415,3 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple

@@ -122,14 +122,14 @@ def pack_buckets(groups: list[list[Slot]], shard_count: int) -> list[Bucket]:
         members = sorted(members, key=lambda s: (s.group is None, s.group or 0))
         bucket = Bucket(index=len(buckets), start=offset, numel=0, shard_count=shard_count, slots=members)
         for slot in members:
-            offset = _round_up(offset, PARAM_ALIGN)
+            offset = round_up(offset, PARAM_ALIGN)
             slot.start, slot.bucket = offset, bucket.index
             offset += slot.numel
-        bucket.numel = _round_up(offset - bucket.start, multiple)
+        bucket.numel = round_up(offset - bucket.start, multiple)
         offset = bucket.end
         buckets.append(bucket)
     return buckets
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

@@ -52,9 +52,10 @@ class ShardedOptimizer:
     """Updates this rank's shards with a torch optimizer built by `factory` over fp32 masters.
 
     `grads_replicated` is True for stage 0, where every rank holds the whole all-reduced
-    gradient, so norms must not be summed over data-parallel ranks. Built while the shards'
-    `param` still holds the model's fp32 values: the masters start from them, not from their
-    model-precision rounding.
+    gradient, so norms must not be summed over data-parallel ranks. The masters start from the
+    model's original values, not from their model-precision rounding: adopted from a shard's
+    `initial` pieces (stages 0-2 cut them while building the flat buffer), or copied from
+    `param` while it still holds them (stage 3, before `bind`).
     """
 
     def __init__(self, shards: list[OwnedShard], group_options: list[dict], factory: OptimizerFactory, *, clip_grad_norm: float,
