@@ -136,6 +136,19 @@ def test_simulated_other_rank_matches_real():
         assert sim["peak_by_kind"][kind] == pytest.approx(real["peak_by_kind"][kind], rel=TOLERANCE)
 
 
+def test_simulated_meta_build_matches_real(monkeypatch):
+    """Stage 3 builds large models on the meta device and materializes them unit by unit
+    (train.py's _build above META_BUILD_PARAMS, lowered here): simulated equals real too."""
+    import experiments.train
+    monkeypatch.setattr(experiments.train, "META_BUILD_PARAMS", 0)
+    point = make_point("tiny_s", 3, 4, 2, 2)
+    real = _real(point, "fp16")[0]["memory"]
+    sim = simulate.simulate_in_child(point.as_dict(), "fp16", 0)["memory"]
+    assert sim["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=TOLERANCE)
+    for kind in KINDS:
+        assert sim["peak_by_kind"][kind] == pytest.approx(real["peak_by_kind"][kind], rel=TOLERANCE)
+
+
 # -- at the paper's scale -------------------------------------------------------------------------
 def test_paper_point_at_full_world():
     """Figure 2's 1.5B ZeRO point, rank 0 of 400 on dgx2_v100: fits (as in the paper), within 3%

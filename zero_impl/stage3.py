@@ -291,7 +291,9 @@ class Stage3Params:
 def _replace_parameter(model: nn.Module, old: nn.Parameter, storage: torch.Tensor) -> nn.Parameter:
     """Put a real Parameter viewing `storage` wherever `old` is registered, attributes kept."""
     new = nn.Parameter(storage.view(old.shape), requires_grad=old.requires_grad)
-    new.__dict__.update(old.__dict__)
+    # old's attributes (megatron's tensor_model_parallel...), not a tensor subclass's own state
+    # (a FakeTensor keeps its device there: copied, a simulation's new parameter would be on meta)
+    new.__dict__.update({k: v for k, v in old.__dict__.items() if k not in new.__dict__})
     for m in model.modules():
         for key, p in m._parameters.items():
             if p is old:
