@@ -14,9 +14,10 @@ e bytes per element (2 in fp16/bf16), g micro-batches accumulated per step:
 - tensor-parallel all-reduces (Megatron: 2 in forward, 2 in backward per layer, 2 more for the
   recomputed forward; 6 with recomputation, 4 without), each of s·b·h elements, as ring
   all-reduces over the TP group: 2(t-1)/t · s·b·h·e / bandwidth. The bandwidth is the GPU's
-  NVLink/NVSwitch bandwidth per direction when the TP group fits in one node, else the GPU's
-  share of its node's InfiniBand (inter_node_gbps / 8 / gpus_per_node: all GPUs of a node send
-  across nodes at once). Never overlapped: Megatron's all-reduces sit on the critical path.
+  NVLink/NVSwitch bandwidth per direction when the TP group fits in one node, else the node's
+  InfiniBand divided among the rings leaving a node at once (links, below: with t > G a node
+  holds one TP group's ring, so it gets the node's whole InfiniBand, capped by NVLink). Never
+  overlapped: Megatron's all-reduces sit on the critical path.
   The embedding's and the loss's TP all-reduces (2 per step, and a few scalars) are omitted.
 - data-parallel traffic per step, in the suite's counting convention (a reduce-scatter counts
   its full input, an all-gather its full output, an all-reduce twice its size, so every ring
@@ -24,7 +25,8 @@ e bytes per element (2 in fp16/bf16), g micro-batches accumulated per step:
   Ψe (stages 1-3 reduce-scatter; x g at stages 2-3), parameters Ψe (stages 1-2 all-gather after
   the step) or 2Ψe (stage 3, forward and backward gathers; x g). A record's engine counts
   (`comm.by_purpose`) replace the formula when present. The DP group uses NVLink/NVSwitch when
-  the whole job fits in one node, else the GPU's InfiniBand share.
+  it fits in one node, else the node's InfiniBand divided among the min(t, G) DP rings leaving
+  each node at once (links, below: 100 GB/s for MP 1 on DGX-2 nodes, 6.25 GB/s at MP >= 16).
 - overlap rule (stated, per system): the gradient reduction overlaps the backward pass (the
   recomputed forward and the backward, (c-1)/c of compute) only when the system launches it
   asynchronously during backward (PyTorch DDP, this suite's engine with overlap_comm);
@@ -68,7 +70,8 @@ SOURCES = {
                                      "fabric (NVIDIA DGX-2 datasheet: 300 GB/s bidirectional per GPU; the ZeRO "
                                      "paper Sec 10.2: '300GB/sec per link (NVSwitch)')",
     "dgx2_v100.inter_node_gbps": "800 per node: 8 x 100 Gb/s EDR InfiniBand (ZeRO paper Sec 10.1 '800 Gbps "
-                                 "internode'; DGX-2 datasheet), shared by the node's 16 GPUs: 6.25 GB/s each",
+                                 "internode'; DGX-2 datasheet): 100 GB/s per direction, shared by the rings "
+                                 "leaving the node (6.25 GB/s each when all 16 GPUs send their own ring)",
     "dgx2_v100.pcie_gb_per_s": "12: PCIe gen3 x16 achievable host<->device copy rate (15.75 GB/s theoretical: "
                                "8 GT/s x 16 lanes x 128b/130b; the project's design notes take 12 as achievable)",
     "dgx_h100.peak_tflops": "989: NVIDIA H100 SXM datasheet (bf16/fp16 tensor core, dense; 1979 with sparsity)",
@@ -76,8 +79,8 @@ SOURCES = {
                                     "on H100 clusters' (GPT models 2B-462B)",
     "dgx_h100.hbm_gb_per_s": "3350: NVIDIA H100 SXM datasheet (HBM3, 3.35 TB/s)",
     "dgx_h100.intra_node_gb_per_s": "450 per direction: NVLink 4, 900 GB/s total per GPU (H100 datasheet)",
-    "dgx_h100.inter_node_gbps": "3200 per node: 8 x 400 Gb/s NDR InfiniBand (DGX H100 datasheet), "
-                                "50 GB/s per GPU",
+    "dgx_h100.inter_node_gbps": "3200 per node: 8 x 400 Gb/s NDR InfiniBand (DGX H100 datasheet): "
+                                "400 GB/s per direction, 50 GB/s per ring when all 8 GPUs send their own",
     "dgx_h100.pcie_gb_per_s": "48: PCIe gen5 x16 (63 GB/s theoretical) x the same achievable ratio as gen3 (12/15.75)",
     "tp_allreduces_per_layer": "Megatron-LM (Shoeybi et al. 2019, Sec 3 and Fig. 4): f and g operators, 2 "
                                "all-reduces in forward and 2 in backward per layer; recomputation repeats the "
@@ -115,9 +118,15 @@ class Hardware:
               "inter_node_gbps", "pcie_gb_per_s")
 
     @property
+    def inter_node_gb_per_s(self) -> float:
+        """The node's InfiniBand, all NICs, per direction (GB/s)."""
+        return self.inter_node_gbps / IB_GBIT_PER_GBYTE
+
+    @property
     def inter_node_gb_per_s_per_gpu(self) -> float:
-        """The GPU's share of its node's InfiniBand (GB/s)."""
-        return self.inter_node_gbps / IB_GBIT_PER_GBYTE / self.gpus_per_node
+        """The GPU's share of its node's InfiniBand (GB/s): a ring's when every GPU of the node
+        sends its own ring across nodes (DP at MP >= gpus_per_node)."""
+        return self.inter_node_gb_per_s / self.gpus_per_node
 
     @classmethod
     def from_cluster(cls, cluster: dict | None) -> "Hardware | None":
@@ -184,18 +193,60 @@ def ring_allgather_s(nbytes: float, n: int, bytes_per_s: float) -> float:
 
 
 # -- links ------------------------------------------------------------------------------------
-def tp_link(x: StepInputs, hw: Hardware) -> tuple[float, str]:
-    """Bytes/s of the TP group's ring, and which link it is."""
-    if x.tp <= hw.gpus_per_node:
+# A ring collective over n ranks (all-reduce, reduce-scatter, all-gather) moves the same bytes over
+# every hop of its ring, so its bandwidth is its slowest hop's. Inside a node a hop is GPU to GPU
+# over NVLink/NVSwitch (intra_node_gb_per_s, each GPU sending to one neighbour). Across nodes,
+# NCCL orders a ring topology-first: a group's members on one node are visited one after
+# another, so the ring leaves each node once (and enters once; InfiniBand is full duplex), and
+# NCCL splits the ring into channels that go out through different NICs, so a ring alone on a
+# node's NICs gets the node's whole InfiniBand (inter_node_gbps / 8, 100 GB/s on a DGX-2).
+# Groups of one kind run their collectives at the same time (every TP group all-reduces the same
+# layer; every DP group reduces the same gradients), so k rings leaving the same node share its
+# NICs: each gets inter_node_gbps / 8 / k. Per ring: min(NVLink, node InfiniBand / k), with k
+# the most rings of that kind leaving any one node (node_rings). In Megatron's layout (TP groups
+# are consecutive ranks, DP groups stride by the MP degree t; a node holds G consecutive ranks):
+# - DP groups: a node holds ranks of min(t, G) TP positions, each the member of its own DP
+#   group, so k = min(t, G) once the DP group spans nodes. MP 1 x DP 128: one ring, 100 GB/s on a
+#   DGX-2 (NVSwitch is 150); MP 16 x DP 25: 16 rings, 6.25 GB/s each; MP 128: 16 rings (each GPU
+#   of a node in its own DP group), 6.25 GB/s.
+# - TP groups with t > G: a TP group is t/G whole nodes, so k = 1: MP 128 over 8 DGX-2 nodes
+#   runs its ring at 100 GB/s (the ring crosses 8 node boundaries, each through all 8 NICs).
+# Since the G GPUs of a node split evenly among the k rings, the bound agrees with one that gives
+# each GPU only its nearest NICs (1/G of the node's). Latency (α per hop, 2(n-1) hops per ring)
+# and NCCL's achieved fraction of the links are not modelled: both are bounds from above.
+def node_rings(group_size: int, stride: int, gpus: int, gpus_per_node: int) -> int:
+    """The most rings of one kind leaving any one node: groups of `group_size` ranks, members
+    `stride` apart (TP: consecutive, stride 1; DP: stride = the MP degree), `gpus` ranks on nodes
+    of `gpus_per_node` consecutive ranks. 0 when every group fits in one node."""
+    if group_size <= 1:
+        return 0
+    step = group_size * stride           # a block of `step` ranks holds `stride` whole groups
+    groups_of = {}
+    for rank in range(gpus):
+        block, pos = divmod(rank, step)
+        groups_of.setdefault(rank // gpus_per_node, set()).add((block, pos % stride))
+    nodes_of: dict = {}
+    for node, groups in groups_of.items():
+        for grp in groups:
+            nodes_of.setdefault(grp, set()).add(node)
+    return max((sum(len(nodes_of[grp]) > 1 for grp in groups) for groups in groups_of.values()), default=0)
+
+
+def _link(rings: int, hw: Hardware) -> tuple[float, str]:
+    if rings == 0:
         return hw.intra_node_gb_per_s * 1e9, "NVLink/NVSwitch"
-    return hw.inter_node_gb_per_s_per_gpu * 1e9, "InfiniBand share"
+    per_ring = min(hw.intra_node_gb_per_s, hw.inter_node_gb_per_s / rings)
+    return per_ring * 1e9, f"InfiniBand, {rings} ring{'s' if rings > 1 else ''}/node"
+
+
+def tp_link(x: StepInputs, hw: Hardware) -> tuple[float, str]:
+    """Bytes/s of one TP group's ring, and which link bounds it (see above)."""
+    return _link(node_rings(x.tp, 1, x.gpus, hw.gpus_per_node), hw)
 
 
 def dp_link(x: StepInputs, hw: Hardware) -> tuple[float, str]:
-    """Bytes/s of the DP group's ring: intra-node only when the whole job fits in one node."""
-    if x.gpus <= hw.gpus_per_node:
-        return hw.intra_node_gb_per_s * 1e9, "NVLink/NVSwitch"
-    return hw.inter_node_gb_per_s_per_gpu * 1e9, "InfiniBand share"
+    """Bytes/s of one DP group's ring, and which link bounds it (see above)."""
+    return _link(node_rings(x.dp, x.tp, x.gpus, hw.gpus_per_node), hw)
 
 
 # -- terms ------------------------------------------------------------------------------------
