@@ -186,8 +186,10 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             self.tracker = None
         else:
-            # MemTracker warns about the None entries of optimizer states it walks
+            # MemTracker warns about the None entries of optimizer states it walks, and about
+            # modules its backward hooks outlive
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable", category=UserWarning)
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
             self.tracker = MemTracker()
             self.tracker.__enter__()
 
@@ -343,6 +345,11 @@ def run_as_rank(point: Point, results_dir: Path, launcher: str) -> None:
         if rank == 0:
             records.write_record(path, build_record(point, precision, launcher, "timeout", None, str(e), started,
                                                     resume={"last_step": e.step, "checkpoint": e.checkpoint}))
+            # the launcher requeues on this marker, not on a record's text (stale across restarts)
+            Path(os.environ["ZERO_REPRO_STOP_FILE"] + ".saved").touch()
+        # Nobody exits before rank 0 has written: the launcher kills the job's other ranks as
+        # soon as one exits, and at 400 ranks the first of them would beat rank 0's write.
+        dist.barrier()
         raise
     except Exception as e:  # a record that says why, then the rank's non-zero exit
         status, _ = classify_failure(e)

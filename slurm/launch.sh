@@ -32,7 +32,7 @@ mkdir -p "$JOB_DIR"
 # Slurm's warning may come at any time (it checks every 30 s or so, and may signal up to that much
 # earlier than asked): trap it first thing. The ranks poll this file after every step.
 export ZERO_REPRO_STOP_FILE="$JOB_DIR/stop_requested"
-rm -f "$ZERO_REPRO_STOP_FILE"
+rm -f "$ZERO_REPRO_STOP_FILE" "$ZERO_REPRO_STOP_FILE.saved"
 trap 'echo "job $JOB: USR1, the time limit is near: the ranks checkpoint and stop"; touch "$ZERO_REPRO_STOP_FILE"' USR1
 LOG="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p' | head -n 1)"
 
@@ -103,7 +103,7 @@ while true; do  # a trapped USR1 interrupts `wait`: wait again until the ranks h
     kill -0 "$PID" 2>/dev/null || break
 done
 finalize_pending
-if [ -e "$ZERO_REPRO_STOP_FILE" ] && [ "$CODE" -ne 0 ] && grep -rqs --include='*.json' "at the launcher's request" "$JOB_DIR"; then
+if [ -e "$ZERO_REPRO_STOP_FILE.saved" ] && [ "$CODE" -ne 0 ]; then  # rank 0 saved and recorded at our request
     trap - TERM INT
     write_status timeout "$CODE" "checkpointed at Slurm's warning before the time limit; requeued to resume (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
     echo "job $JOB: checkpointed before the time limit; requeueing"
