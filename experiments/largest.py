@@ -2,9 +2,11 @@
 
     python experiments/sweep.py experiment=table2 simulate=true simulate_largest=true
     python experiments/sweep.py experiment=fig4 simulate=true simulate_largest=true
+    python experiments/sweep.py experiment=fig6 simulate=true simulate_largest=true
 
-For each row of an experiment (for each (stage, TP, GPUs) the row with the most parameters:
-Table 2's ten rows; Figure 4's largest ZeRO and baseline points), the model family of that row
+For each row of an experiment (for each (stage, TP, GPUs, ZeRO-R configuration) the point with
+the most parameters: Table 2's ten rows; Figure 4's largest ZeRO and baseline points; Figure 6's
+C1-C5), the model family of that row
 (its hidden size, heads, sequence and vocabulary fixed, the number of layers varied, as the
 paper's Table 4 and appendix grow a model) is searched for the most layers whose simulated
 peak plus the cluster's CUDA reserve fits the device:
@@ -35,6 +37,7 @@ import pandas as pd
 from experiments import records
 from experiments.models.megatron_gpt import parameter_count
 from experiments.points import Point, predicted_memory_bytes
+from zero_impl.config import zero_r_config
 from experiments.simulate import (_start, is_gpu_cluster, simulated_path, simulated_precision, simulated_record,
                                   verdict)
 
@@ -49,14 +52,25 @@ def family_point(point: Point, layers: int) -> Point:
     return dataclasses.replace(point, model=model, note=f"largest {point.model['name']} family")
 
 
+def _row_key(p: Point) -> tuple:
+    """A row: stage, TP, GPUs and ZeRO-R configuration (Figure 6 has one row per C1-C5)."""
+    return p.stage, p.tp, p.gpus, _zero_r_name(p)
+
+
+def _zero_r_name(p: Point) -> str | None:
+    z = p.zero
+    return zero_r_config(p.stage, z.get("partition_activations", False), z.get("cpu_checkpointing", False),
+                         z.get("contiguous_memory_optimization", False))
+
+
 def rows_to_search(points: list[Point]) -> list[Point]:
-    """For each (stage, TP, GPUs), the point with the most parameters."""
+    """For each row (_row_key), the point with the most parameters."""
     best: dict[tuple, Point] = {}
     for p in points:
-        key = (p.stage, p.tp, p.gpus)
+        key = _row_key(p)
         if key not in best or parameter_count(p.shape, p.tp) > parameter_count(best[key].shape, best[key].tp):
             best[key] = p
-    return [p for p in points if best.get((p.stage, p.tp, p.gpus)) is p]
+    return [p for p in points if best.get(_row_key(p)) is p]
 
 
 def limit_bytes(point: Point) -> float:
@@ -96,6 +110,9 @@ def paper_largest(point: Point) -> str:
         return row.iloc[0][column] if column and len(row) else "-"
     if point.experiment == "fig4":
         return {2: "13B (Sec 10.4)", 0: "1.4B (Sec 1, 10.4)"}.get(point.stage, "-")
+    if point.experiment == "fig6":  # Sec 10.5; C3's size is inferred from appendix Table 7
+        return {"C1": "40B", "C2": "60B", "C3": "50B (inferred)", "C4": "140B", "C5": "150B"}.get(
+            _zero_r_name(point) or "", "-")
     return "-"
 
 

@@ -243,3 +243,13 @@ def test_largest_search_converges_on_a_line():
     assert result["analytic_max_layers"] > expected  # the analytic model was 30% optimistic here
     rows = [make_point("tiny_s", 2, 64, 1, 2), make_point("tiny_m", 2, 64, 1, 2), make_point("tiny_s", 0, 64, 1, 2)]
     assert [(p.model["name"], p.stage) for p in largest.rows_to_search(rows)] == [("tiny_m", 2), ("tiny_s", 0)]
+
+
+def test_figure6_searches_one_row_per_zero_r_configuration():
+    """Figure 6's five points differ in their ZeRO-R configuration, not only in stage: each is
+    its own row of the search (C1 and C2 share stage 1, C3-C5 stage 2), with the paper's size."""
+    from experiments.largest import paper_largest, rows_to_search
+    from experiments.points import expand
+    from test_runner import composed
+    rows = rows_to_search(expand(composed("experiment=fig6")))
+    assert [paper_largest(r) for r in rows] == ["40B", "60B", "50B (inferred)", "140B", "150B"]

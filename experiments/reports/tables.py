@@ -317,12 +317,15 @@ def largest_table(records: list[dict]) -> pd.DataFrame:
     not fit), every simulated depth, and the paper's number (Table 2's measured columns; Figure
     4's 13B with ZeRO and 1.4B with DP alone)."""
     rows = []
-    for r in largest_results(records):
+    searched = [(rec, rec["largest_search"]) for rec in records
+                if rec.get("measured_by") == "simulated" and rec.get("largest_search")]
+    for record, r in searched:
         sims = r["simulations"]
         above = [s for s in sims if s["layers"] == r["simulated_max_layers"] + 1]
         at = [s for s in sims if s["layers"] == r["simulated_max_layers"]]
         rows.append({
-            "experiment": r["experiment"], "stage": STAGE_NAMES[r["stage"]], "mp": r["tp"], "gpus": r["gpus"],
+            "experiment": r["experiment"], "stage": STAGE_NAMES[r["stage"]], "zero_r": record.get("zero_r_config"),
+            "mp": r["tp"], "gpus": r["gpus"],
             "dp": r["dp"], "micro_batch": r["micro_batch"], "family": f"h {r['hidden']}, {r['heads']} heads",
             "analytic_max_B": r["analytic_max_params"] / 1e9, "analytic_max_layers": r["analytic_max_layers"],
             "simulated_max_B": r["simulated_max_params"] / 1e9, "simulated_max_layers": r["simulated_max_layers"],
@@ -333,7 +336,7 @@ def largest_table(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(LARGEST_COLUMNS))
 
 
-LARGEST_COLUMNS = ("experiment", "stage", "mp", "gpus", "dp", "micro_batch", "family", "analytic_max_B",
+LARGEST_COLUMNS = ("experiment", "stage", "zero_r", "mp", "gpus", "dp", "micro_batch", "family", "analytic_max_B",
                    "analytic_max_layers", "simulated_max_B", "simulated_max_layers", "peak_GB_at_max",
                    "peak_GB_one_layer_more", "limit_GB", "confirmed", "simulations", "paper", "measured_by")
 
