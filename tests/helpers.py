@@ -154,6 +154,21 @@ def padding_bound(buckets) -> int:
     return sum(len(b.slots) * (PARAM_ALIGN - 1) + math.lcm(b.shard_count, BUCKET_ALIGN) - 1 for b in buckets)
 
 
+def gather_tp(model: torch.nn.Module, values: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
+    """Full TP=1-shaped tensors: megatron's TP-sharded parameters (`values` keyed like
+    model.named_parameters()) concatenated over the TP group along their partition dim."""
+    tp = dist.get_world_size(tp_group)
+    out = {}
+    for name, p in model.named_parameters():
+        t = values[name]
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        out[name] = t
+    return out
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[n].double() - b[n].double()).abs().max().item() for n in a)

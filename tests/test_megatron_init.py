@@ -10,29 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 import zero_impl
+from helpers import gather_tp
 from experiments.launch import spawn
 from experiments.models.megatron_gpt import (INIT_STD, GPTShape, ParamRole, _transformer_config, build_gpt,
                                              init_parameter, initialize_parallel, megatron_param_init_fn, param_role)
 
 SHAPE = GPTShape(layers=2, hidden=16, heads=4, seq_len=8, vocab_size=256)  # vocab: one padding for TP <= 2
 SEED = 7
-
-
-def _gather_tp(model: torch.nn.Module, values: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
-    tp = dist.get_world_size(tp_group)
-    out = {}
-    for name, p in model.named_parameters():
-        t = values[name]
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=tp_group)
-            t = torch.cat(parts, dim=p.partition_dim)
-        out[name] = t
-    return out
 
 
 def _eager_and_meta(tp: int, persistence_threshold: int) -> dict:
@@ -51,7 +38,7 @@ def _eager_and_meta(tp: int, persistence_threshold: int) -> dict:
         meta, zero_impl.ZeroConfig(stage=3, stage3_param_persistence_threshold=persistence_threshold),
         optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-3), dp_group=dp_group, mp_group=tp_group,
         param_init_fn=megatron_param_init_fn(meta, SEED))
-    return {"eager": _gather_tp(eager, local, tp_group), "meta": _gather_tp(meta, engine.full_parameters(), tp_group),
+    return {"eager": gather_tp(eager, local, tp_group), "meta": gather_tp(meta, engine.full_parameters(), tp_group),
             "local": local, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "sharded": {n for n, p in eager.named_parameters() if getattr(p, "tensor_model_parallel", False)}}
 
@@ -100,8 +87,8 @@ def _train_build(tp: int) -> bool:
     point.stage = 2
     eager, none = train._build(point, torch.device("cpu"))
     assert none is None
-    return _equal(_gather_tp(meta, engine.full_parameters(), tp_group),
-                  _gather_tp(eager, {n: p.detach() for n, p in eager.named_parameters()}, tp_group))
+    return _equal(gather_tp(meta, engine.full_parameters(), tp_group),
+                  gather_tp(eager, {n: p.detach() for n, p in eager.named_parameters()}, tp_group))
 
 
 def test_train_meta_build_equals_its_eager_build():

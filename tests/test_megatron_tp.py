@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 import zero_impl
-from helpers import fp64_tolerance
+from helpers import fp64_tolerance, gather_tp
 from experiments.analysis.flops import model_flops_per_iteration
 from experiments.launch import spawn
 from experiments.models.megatron_gpt import (GPTShape, build_gpt, initialize_parallel, lm_inputs, narayanan_eq2,
@@ -48,20 +48,6 @@ def _fp64_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _gather_tp(model: torch.nn.Module, values: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
-    """Full TP=1-shaped tensors: TP-sharded parameters concatenated along their partition dim."""
-    tp = dist.get_world_size(tp_group)
-    out = {}
-    for name, p in model.named_parameters():
-        t = values[name]
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=tp_group)
-            t = torch.cat(parts, dim=p.partition_dim)
-        out[name] = t
-    return out
-
-
 def _reference() -> dict:
     initialize_parallel(1)
     torch.manual_seed(0)
@@ -89,7 +75,7 @@ def _zero(tp: int, stage: int, recompute: bool) -> dict:
     dp_group, tp_group = initialize_parallel(tp)
     torch.manual_seed(0)
     model = build_gpt(SHAPE, recompute=recompute).double()
-    initial = _gather_tp(model, {n: p.detach().clone() for n, p in model.named_parameters()}, tp_group)
+    initial = gather_tp(model, {n: p.detach().clone() for n, p in model.named_parameters()}, tp_group)
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, precision="fp64", clip_grad_norm=CLIP,
                                                                 reduce_bucket_size=700),
                                   optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR),
@@ -105,7 +91,7 @@ def _zero(tp: int, stage: int, recompute: bool) -> dict:
         dist.all_reduce(total, group=dp_group)
         losses.append(total.item() / dp)
         norms.append(engine.stats()["grad_norm"])
-    return {"initial": initial, "params": _gather_tp(model, engine.full_parameters(), tp_group),
+    return {"initial": initial, "params": gather_tp(model, engine.full_parameters(), tp_group),
             "losses": losses, "norms": norms, "dp": dp}
 
 
