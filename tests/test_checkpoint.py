@@ -204,7 +204,8 @@ def test_training_continues_after_resharding(saved_at_dp4):
 # -- tensor parallelism (megatron-core) -----------------------------------------------------------
 def _megatron(tp: int, stage: int, path: str, save_after: int | None, load: bool, steps: int) -> dict:
     from megatron.core import parallel_state
-    from test_megatron_tp import CLIP as MCLIP, LR, SHAPE, _batch, _fp64_loss, _gather_tp
+    from helpers import gather_tp
+    from test_megatron_tp import CLIP as MCLIP, LR, SHAPE, _batch, _fp64_loss
     from experiments.models.megatron_gpt import build_gpt, initialize_parallel
     dp_group, tp_group = initialize_parallel(tp)
     torch.manual_seed(0)
@@ -224,7 +225,7 @@ def _megatron(tp: int, stage: int, path: str, save_after: int | None, load: bool
         engine.step()
         if step + 1 == save_after:
             checkpoint.save(engine, path, extra={"step": step + 1})
-    return {"params": _gather_tp(model, engine.full_parameters(), tp_group)}
+    return {"params": gather_tp(model, engine.full_parameters(), tp_group)}
 
 
 def test_tp_checkpoint_reshards_dp_at_fixed_tp_and_refuses_another_tp(tmp_path):
