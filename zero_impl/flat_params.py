@@ -39,7 +39,7 @@ class FlatParamBuffer:
             masters = None
             if master_dtype != dtype:
                 lo, hi = self.owned_range(b)
-                masters = {piece.start: torch.empty(piece.end - piece.start, dtype=master_dtype, device=device)
+                masters = {piece.start: torch.zeros(piece.end - piece.start, dtype=master_dtype, device=device)
                            for piece in b.pieces(lo, hi, key=lambda s: s.group)}
             for s in b.slots:
                 values = s.param.detach().reshape(-1)

@@ -74,14 +74,16 @@ class Bucket:
         return lo, lo + self.shard_numel
 
     def pieces(self, lo: int, hi: int, key) -> list[Piece]:
-        """Intersections of [lo, hi) with this bucket's slots, adjacent equal keys merged."""
+        """Intersections of [lo, hi) with this bucket's slots, consecutive equal keys merged (the
+        alignment gap between two slots is padding: zero, and kept zero by an element-wise
+        optimizer; one tensor per group and bucket keeps the optimizer's per-tensor work small)."""
         out: list[Piece] = []
         for slot in self.slots:
             s, e = max(lo, slot.start), min(hi, slot.end)
             if s >= e:
                 continue
             k = key(slot)
-            if out and out[-1].key == k and out[-1].end == s:
+            if out and out[-1].key == k:
                 out[-1].end = e
             else:
                 out.append(Piece(k, s, e))
