@@ -6,9 +6,9 @@ elements. Parameters start at multiples of 64 elements and each bucket is padded
 multiple of lcm(shard count, 128), so that rank r owns the equal, contiguous, aligned slice
 [r*S, (r+1)*S) of every bucket (S = bucket size / shard count), the layout of megatron-core's
 `param_and_grad_buffer.py`. Inside a bucket, parameters are sorted by optimizer param group;
-a rank's slice splits into one piece per parameter it touches (the alignment gaps separate
-them, as Megatron's distributed optimizer keeps one main parameter per parameter shard): each
-piece becomes one fp32 master tensor of its group, covering real elements only.
+a rank's slice splits into at most one piece per group, spanning the alignment gaps between
+its parameters (zero padding, which an element-wise optimizer keeps zero): each piece becomes
+one fp32 master tensor of that group, so the optimizer steps a few large tensors.
 """
 from __future__ import annotations
 
