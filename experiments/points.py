@@ -11,7 +11,7 @@ import hashlib
 import itertools
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,11 @@ NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir")  # tr
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 
 
-ZERO_R_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
-                   "contiguous_memory_optimization": False, "number_checkpoints": None}
+# engine knobs added after the first records: at these defaults they stay out of a point's hash,
+# so the ids of earlier records still hold
+LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
+                       "contiguous_memory_optimization": False, "number_checkpoints": None,
+                       "optimizer_bucket_size": ZeroConfig.optimizer_bucket_size}
 
 
 class ConfigError(ValueError):
@@ -90,8 +93,8 @@ class Point:
     def point_id(self) -> str:
         """Readable and unique: the axes, the note, and a hash of everything else."""
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
-        # ZeRO-R switches at their defaults stay out of the hash: ids from before ZeRO-R still hold
-        settings["zero"] = {k: v for k, v in self.zero.items() if k not in ZERO_R_DEFAULTS or v != ZERO_R_DEFAULTS[k]}
+        settings["zero"] = {k: v for k, v in self.zero.items()
+                            if k not in LATER_KNOB_DEFAULTS or v != LATER_KNOB_DEFAULTS[k]}
         settings["train"] = {k: v for k, v in self.train.items() if k not in NOT_HASHED}
         if settings["train"]["precision"] == "auto":  # auto means fp32 on CPU, half precision on GPUs
             settings["train"]["precision"] = "auto-gpu" if torch.cuda.is_available() else "auto-cpu"
@@ -129,6 +132,7 @@ def expand(cfg: DictConfig) -> list[Point]:
         rows = []
         for spec in specs:
             _check_zero_r(spec)
+            _check_point_zero(spec)
             axes = [overrides[a] or [spec[a]] for a in AXES]
             rows += [dict(spec, **dict(zip(AXES, combo))) for combo in itertools.product(*axes)]
     else:
@@ -149,7 +153,8 @@ def expand(cfg: DictConfig) -> list[Point]:
         model = chosen_model if chosen_model and row["model"] == chosen_model["name"] else load_model(str(row["model"]))
         point = Point(experiment=exp.name, model=model, stage=row["stage"], gpus=row["gpus"],
                       tp=row["tp"], micro_batch=row["micro_batch"], note=row.get("note", ""), train=train,
-                      zero=_zero_for(zero, row.get("zero_r") or "", train), cluster=cluster)
+                      zero=_zero_for(dict(zero, **row.get("zero", {})), row.get("zero_r") or "", train),
+                      cluster=cluster)
         try:
             point.shape.check_tp(point.tp)
         except ValueError as e:
@@ -172,6 +177,18 @@ def _check_zero_r(spec: dict) -> None:
     if name and spec["stage"] != ZERO_R_CONFIGS[name]["stage"]:
         raise ConfigError(f"point ({spec['model']}, zero_r {name}): {name} is stage {ZERO_R_CONFIGS[name]['stage']} "
                           f"(Table 3), the point says stage {spec['stage']}")
+
+
+def _check_point_zero(spec: dict) -> None:
+    """A point's own `zero` overrides name ZeroConfig keys (not the stage, an axis of its own)."""
+    allowed = sorted(f.name for f in fields(ZeroConfig) if f.name not in ("stage", "precision"))
+    unknown = sorted(set(spec.get("zero") or {}) - set(allowed))
+    if unknown:
+        raise ConfigError(f"point ({spec['model']}): zero override(s) {unknown} are not engine knobs; allowed: {allowed}")
+    try:
+        ZeroConfig(stage=spec["stage"], **(spec.get("zero") or {}))
+    except ValueError as e:
+        raise ConfigError(f"point ({spec['model']}): {str(e).replace('ZeroConfig.', 'zero.')}") from None
 
 
 def _zero_for(zero: dict, zero_r: str, train: dict) -> dict:

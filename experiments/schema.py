@@ -7,7 +7,7 @@ the wrong type is rejected by Hydra before anything runs; value checks that type
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -54,6 +54,7 @@ class ZeroSettings:
 
     reduce_bucket_size: int = ZeroConfig.reduce_bucket_size
     allgather_bucket_size: int = ZeroConfig.allgather_bucket_size
+    optimizer_bucket_size: Optional[int] = ZeroConfig.optimizer_bucket_size  # None: the whole shard in one update
     overlap_comm: bool = ZeroConfig.overlap_comm
     clip_grad_norm: float = 1.0
     stage3_max_live_units: int = ZeroConfig.stage3_max_live_units
@@ -97,6 +98,7 @@ class PointSpec:
     micro_batch: int = "???"  # type: ignore[assignment]
     note: str = ""            # e.g. the paper row it reproduces
     zero_r: str = ""          # Table 3's configuration, C1-C5: sets zero.* ZeRO-R switches (its stage must match)
+    zero: Dict[str, Any] = field(default_factory=dict)  # this point's own zero.* values (ZeroConfig keys)
 
 
 @dataclass

@@ -64,7 +64,9 @@ def test_fp64_matches_adamw(stage, world):
     (2, 3, {"reduce_bucket_size": 500_000_000}),          # one bucket for the whole model
     (1, 3, {"allgather_bucket_size": 100}),               # chunked parameter all-gather
     (2, 4, {"reduce_bucket_size": 1, "allgather_bucket_size": 7}),  # a bucket per parameter
-    (3, 2, {"overlap_comm": False}),
+    (0, 2, {"optimizer_bucket_size": 300}),           # the update in chunks (optimizer.py)
+    (2, 3, {"optimizer_bucket_size": 1}),             # one master per update
+    (3, 2, {"overlap_comm": False, "optimizer_bucket_size": 1}),
     (3, 3, {"stage3_prefetch_bucket_size": 0}),           # no prefetch: every gather on demand
     (3, 4, {"stage3_max_live_units": 2}),                 # room for the root and one layer only
     (3, 3, {"stage3_param_persistence_threshold": 40}),   # biases and norms stay gathered

@@ -385,9 +385,9 @@ def test_point_ids_without_zero_r_are_unchanged():
     """The ZeRO-R switches at their defaults stay out of a point's hash: a point that uses none
     keeps the id it had before they existed; one that uses them gets another."""
     import dataclasses
-    from experiments.points import ZERO_R_DEFAULTS, expand
+    from experiments.points import LATER_KNOB_DEFAULTS, expand
     for point in expand(_compose("model=tiny_s")):
-        before = dataclasses.replace(point, zero={k: v for k, v in point.zero.items() if k not in ZERO_R_DEFAULTS})
+        before = dataclasses.replace(point, zero={k: v for k, v in point.zero.items() if k not in LATER_KNOB_DEFAULTS})
         assert point.point_id == before.point_id
         assert dataclasses.replace(point, zero=dict(point.zero, partition_activations=True)).point_id != point.point_id
 

@@ -33,6 +33,10 @@ class ZeroConfig:
         (grad_reducer.py), a constant independent of the model (a single parameter larger than a
         bucket gets a bucket of its own), where 5e8 would stage the whole gradient of any model
         under 500M parameters.
+    optimizer_bucket_size: elements of fp32 masters the optimizer updates at once (optimizer.py);
+        the step's temporaries (gradient copy in fp32, a foreach Adam's sqrt) are bounded by it.
+        None: the whole shard in one update, as Megatron-LM's and DeepSpeed's optimizers of the
+        paper's time did; it costs 8 more bytes per owned element at the step.
     overlap_comm: launch a bucket's collective asynchronously as soon as it is ready, so it runs
         while backward computes the next bucket; False = blocking collectives.
     loss_scale: fp16 only; 0 = dynamic loss scaling starting at 2**initial_scale_power, halved
@@ -57,7 +61,8 @@ class ZeroConfig:
     number_checkpoints: MD's arena slots, the most checkpoints one forward keeps (None: one per
         layer, the blocks of the first ModuleList).
     CB, constant-size buffers, is not a switch: every fused buffer's size is set by the sizes above
-        (reduce_bucket_size, allgather_bucket_size), whatever the model (engine.stats()["buffers"]).
+        (reduce_bucket_size, allgather_bucket_size, optimizer_bucket_size), whatever the model
+        (engine.stats()["buffers"]); optimizer_bucket_size=None gives that up for the step.
     """
 
     stage: int = 0
@@ -67,6 +72,7 @@ class ZeroConfig:
     clip_grad_norm: float = 0.0
     reduce_bucket_size: int = 40_000_000
     allgather_bucket_size: int = 40_000_000
+    optimizer_bucket_size: int | None = 40_000_000
     overlap_comm: bool = True
     loss_scale: float = 0.0
     initial_scale_power: int = 16
@@ -87,8 +93,8 @@ class ZeroConfig:
         _check_choice("precision", self.precision, tuple(DTYPES))
         if self.reduce_dtype is not None:
             _check_choice("reduce_dtype", self.reduce_dtype, tuple(DTYPES) + (None,))
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                    "stage3_param_persistence_threshold"):
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "optimizer_bucket_size",
+                    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             value = getattr(self, key)  # YAML and DeepSpeed configs write sizes like 5e8
             if isinstance(value, float) and value.is_integer():
                 setattr(self, key, int(value))
@@ -97,6 +103,8 @@ class ZeroConfig:
                              ("stage3_param_persistence_threshold", 0),
                              ("stage3_max_live_units", 2)):  # 2: the root unit and the running one
             _check_int(key, getattr(self, key), minimum)
+        if self.optimizer_bucket_size is not None:
+            _check_int("optimizer_bucket_size", self.optimizer_bucket_size, 1)
         if self.stage3_unit_classes is not None:
             if isinstance(self.stage3_unit_classes, str):
                 self.stage3_unit_classes = (self.stage3_unit_classes,)

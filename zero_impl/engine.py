@@ -76,7 +76,7 @@ class ZeroEngine(nn.Module):
             shards, group_options, optimizer,
             clip_grad_norm=config.clip_grad_norm, scaler=self.scaler, dp=self.dp, mp=self.mp,
             grads_replicated=config.stage == 0, share_master=not config.mixed_precision,
-            master_dtype=config.master_dtype)
+            master_dtype=config.master_dtype, bucket_size=config.optimizer_bucket_size)
         self.params.bind(dtype)
         for shard in shards:
             shard.param = self.params.shard_view(shard.bucket)
@@ -296,9 +296,11 @@ class ZeroEngine(nn.Module):
         """CB (paper Section 6.2): bytes of each fused buffer the engine uses beyond the model
         states, at its largest so far: stage 2-3 gradient staging (live staging buckets and
         reduce-scatter outputs), the largest post-step parameter all-gather (stages 1-2, in place
-        in the parameter buffer), the norm's all-reduce, and ZeRO-R's (activations.py)."""
+        in the parameter buffer), the norm's all-reduce, the masters one optimizer update covers
+        (its temporaries scale with them), and ZeRO-R's (activations.py)."""
         self._check_open()
-        out = {"grad_staging": self.grads.peak_buffer_bytes, "norm": 2 * self._norm_itemsize()}
+        out = {"grad_staging": self.grads.peak_buffer_bytes, "norm": 2 * self._norm_itemsize(),
+               "optimizer_step": self.sharded_optimizer.chunk_bytes()}
         if self.config.stage in (1, 2):
             out["allgather"] = self._allgather_call_elements() * self.config.param_dtype.itemsize
         if self.activations is not None:
@@ -310,7 +312,8 @@ class ZeroEngine(nn.Module):
         staging MAX_INFLIGHT_STAGING + 1 buckets (and as many reduce-scatter outputs in flight with
         accumulation) of at most reduce_bucket_size elements plus layout.py's alignment (a single
         parameter larger than that is a bucket of its own; stage 3: a unit); an all-gather of at
-        most allgather_bucket_size elements; 2 norm scalars; ZeRO-R's, one checkpoint each
+        most allgather_bucket_size elements; 2 norm scalars; an update of optimizer_bucket_size
+        elements (or one larger master; None: the whole shard); ZeRO-R's, one checkpoint each
         (ActivationCheckpoints.buffer_limits)."""
         self._check_open()
         itemsize = self.config.grad_reduce_dtype.itemsize
@@ -323,7 +326,11 @@ class ZeroEngine(nn.Module):
                                     self.config.reduce_bucket_size + (PARAM_ALIGN - 1) * len(b.slots), multiple)
                           for b in self.params.buckets], default=0)
         staging = (MAX_INFLIGHT_STAGING + 1) * bucket + MAX_INFLIGHT_STAGING * bucket // n if self.config.stage >= 2 else 0
-        out = {"grad_staging": staging * itemsize, "norm": 2 * self._norm_itemsize()}
+        masters = [m.tensor.numel() for m in self.sharded_optimizer.masters]
+        step = sum(masters) if self.config.optimizer_bucket_size is None else \
+            max([self.config.optimizer_bucket_size, *masters])
+        out = {"grad_staging": staging * itemsize, "norm": 2 * self._norm_itemsize(),
+               "optimizer_step": step * self.config.master_dtype.itemsize}
         if self.config.stage in (1, 2):
             out["allgather"] = max(self.config.allgather_bucket_size, n) * self.config.param_dtype.itemsize
         if self.activations is not None:
