@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test test-matrix run bench gpu-check compare clean
+.PHONY: setup test test-matrix run bench gpu-check reference compare clean
 
 setup: $(STAMP)
 
@@ -36,9 +36,23 @@ run: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench_engine
 
-# The CUDA path end to end on one GPU (at most 5 minutes); without a GPU, one line and exit 0.
+# The CUDA path end to end on one GPU (at most 8 minutes); without a GPU, one line and exit 0.
 gpu-check: $(STAMP)
 	$(BIN)/python experiments/gpu_check.py
+
+# Regenerate the committed simulated reference set (the paper's points at their true world size,
+# one rank on fake tensors; about 20 minutes on 2 cores) and its reports.
+SIMULATED := fig2 fig4 fig7
+SEARCHED  := fig4 table2 fig6
+reference: $(STAMP)
+	rm -rf $(foreach e,$(sort $(SIMULATED) $(SEARCHED)),results/reference/runs/$(e)/simulated results/reference/reports/$(e))
+	@set -e; for e in $(SIMULATED); do \
+	  $(BIN)/python experiments/sweep.py experiment=$$e simulate=true results_dir=results/reference/runs; done; \
+	for e in $(SEARCHED); do \
+	  $(BIN)/python experiments/sweep.py experiment=$$e simulate=true simulate_largest=true results_dir=results/reference/runs; done; \
+	for e in $(sort $(SIMULATED) $(SEARCHED)); do \
+	  $(BIN)/python experiments/report.py experiment=$$e results_dir=results/reference/runs out_dir=results/reference/reports; done
+	$(BIN)/python experiments/report.py results_dir=results/reference/runs out_dir=results/reference/reports
 
 # Optional: DeepSpeed as a comparison peer for the benchmarks and tests.
 compare: $(STAMP)

@@ -1,4 +1,4 @@
-"""`make gpu-check`: the CUDA path end to end on one GPU, in at most 5 minutes.
+"""`make gpu-check`: the CUDA path end to end on one GPU, in at most 8 minutes.
 
     python experiments/gpu_check.py              # on a machine with a GPU
     python experiments/gpu_check.py --rehearse   # on CPU: the same script at CPU sizes (proves the script, not CUDA)
@@ -11,7 +11,10 @@
 3. 1.3B: megatron GPT of GPT-3 XL's shape (24 x 2048, 16 heads, seq 1024), bf16, stage 2,
    activation recomputation, micro-batch 4: TFLOPs/GPU (Narayanan Eq. 3) and
    torch.cuda.max_memory_allocated beside the suite's model-state prediction;
-4. bench: experiments/bench_engine.py at world 1, a few steps per system.
+4. ZeRO-R (experiments/gpu_check_zero_r.py): the 1.3B point again at stage 2 without and with
+   MD, and with Pa and Pa+cpu: the allocator's slack (reserved - allocated) with and without
+   MD, and whether Pa+cpu's host round trip is prefetched, exact and overlapped;
+5. bench: experiments/bench_engine.py at world 1, a few steps per system.
 
 Prints a Markdown block (the README's "GPU check" section takes it as is); exit code 1 if any
 check FAILs. Without CUDA it prints one line and exits 0. Ranks are started with `spawn`
@@ -36,7 +39,7 @@ from experiments.launch import RankFailed, spawn
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
 
 SKIPPED = "gpu-check: skipped, no CUDA device here (torch.cuda.is_available() is False)"
-BUDGET_S = 290  # the whole check, start-ups included
+BUDGET_S = 470  # the whole check, start-ups included
 STAGE_MODEL, BIG_MODEL, BIG_MICRO_BATCH = "tiny_m", "gpt_1.3b", 4
 
 # Parity: fp32 on both sides (no TF32), so the runs differ only by rounding: CPU and CUDA kernels
@@ -63,7 +66,7 @@ def make_point(*overrides: str):
         return point_from_train_config(compose("train", overrides=["experiment_name=gpu_check", "gpus=1", *overrides]))
 
 
-def _attempt(fn, *args) -> dict:
+def attempt(fn, *args) -> dict:
     try:
         return {"ok": True, "value": fn(*args)}
     except Exception:
@@ -73,8 +76,8 @@ def _attempt(fn, *args) -> dict:
 def device_rank(points: list[tuple[dict, str]], stages: list[int]) -> dict:
     """One rank on the accelerator: the megatron points through train_rank, then the parity runs."""
     from experiments.train import train_rank
-    return {"backend": dist.get_backend(), "points": [_attempt(train_rank, p, prec) for p, prec in points],
-            "parity": _attempt(parity_run, stages, "cuda" if torch.cuda.is_available() else "cpu")}
+    return {"backend": dist.get_backend(), "points": [attempt(train_rank, p, prec) for p, prec in points],
+            "parity": attempt(parity_run, stages, "cuda" if torch.cuda.is_available() else "cpu")}
 
 
 def parity_run(stages: list[int], device_type: str) -> dict[int, dict]:
@@ -125,7 +128,7 @@ def point_row(name: str, outcome: dict, point, precision: str) -> tuple[str, str
     """(check, measured, expected, verdict) of one megatron point from its train_rank result."""
     from experiments.train import build_record
     if not outcome["ok"]:
-        return name, _error_line(outcome["error"]), "trains", "FAIL"
+        return name, error_line(outcome["error"]), "trains", "FAIL"
     r = build_record(point, precision, "gpu_check", "ok", [outcome["value"]], None, time.strftime("%FT%T"))
     applied = len(r["losses"]) - r["comm"]["skipped_steps"]
     ratio = r["memory"]["measured"]["total"] / r["memory"]["predicted"]["total"]
@@ -141,7 +144,7 @@ def big_row(outcome: dict, point, precision: str) -> tuple[str, str, str, str]:
     name = f"{point.model['name']} ({point.shape.layers} x {point.shape.hidden}, {precision}, stage {point.stage}, " \
            f"recompute, micro-batch {point.micro_batch})"
     if not outcome["ok"]:
-        return name, _error_line(outcome["error"]), "trains", "FAIL"
+        return name, error_line(outcome["error"]), "trains", "FAIL"
     r = build_record(point, precision, "gpu_check", "ok", [outcome["value"]], None, time.strftime("%FT%T"))
     m, gb = r["memory"]["measured"], 1e9
     kind = "allocated" if "cuda_max_allocated" in m else "RSS"  # CUDA's peak; peak RSS in a CPU rehearsal
@@ -162,10 +165,10 @@ def safe_row(name: str, make_row, *args) -> tuple[str, str, str, str]:
     try:
         return make_row(*args)
     except Exception:
-        return name, _error_line(traceback.format_exc()), "a row", "FAIL"
+        return name, error_line(traceback.format_exc()), "a row", "FAIL"
 
 
-def _error_line(error: str) -> str:
+def error_line(error: str) -> str:
     return error.strip().splitlines()[-1][:200].replace("|", "/")
 
 
@@ -197,14 +200,14 @@ def main() -> int:
              for name in [f"{STAGE_MODEL} stage {pt.stage} {p} ({where})"]]
 
     try:
-        [cpu] = spawn(_attempt, 1, parity_run, stages, "cpu", backend="gloo", start_method="spawn", timeout=left(90))
+        [cpu] = spawn(attempt, 1, parity_run, stages, "cpu", backend="gloo", start_method="spawn", timeout=left(90))
     except RankFailed as e:
         cpu = {"ok": False, "error": str(e)}
     for stage in stages:
         name = f"parity fp32 stage {stage} (TinyGPT, {PARITY['steps']} steps, {where} vs CPU gloo)"
         bounds = f"update distance <= {PARITY['update_bound']:g}, losses within {PARITY['loss_bound']:g}"
         if not (cpu["ok"] and device["parity"]["ok"]):
-            rows.append((name, _error_line((cpu if not cpu["ok"] else device["parity"])["error"]), bounds, "FAIL"))
+            rows.append((name, error_line((cpu if not cpu["ok"] else device["parity"])["error"]), bounds, "FAIL"))
             continue
         d = parity_distance(cpu["value"][stage], device["parity"]["value"][stage])
         rows.append((name, f"update distance {d['update_rel']:.2e}, max abs param diff {d['max_abs']:.2e}, "
@@ -217,10 +220,21 @@ def main() -> int:
                      "train.recompute=true", "train.warmup_steps=2", "train.steps=5")
     from experiments.train import train_rank
     try:
-        [outcome] = spawn(_attempt, 1, train_rank, big.as_dict(), precision, start_method="spawn", timeout=left(150))
+        [outcome] = spawn(attempt, 1, train_rank, big.as_dict(), precision, start_method="spawn", timeout=left(150))
     except RankFailed as e:
         outcome = {"ok": False, "error": str(e)}
     rows.append(safe_row(f"{big_model} point", big_row, outcome, big, precision))
+
+    from experiments import gpu_check_zero_r as zero_r
+    runs = zero_r.zero_r_points(make_point, big_model, BIG_MICRO_BATCH, precision)
+    try:
+        [outcomes] = spawn(zero_r.zero_r_rank, 1, {n: p.as_dict() for n, p in runs.items()}, precision,
+                           start_method="spawn", timeout=left(180))
+    except RankFailed as e:
+        outcomes = {name: {"ok": False, "error": str(e)} for name in runs}
+    label = f"{big_model}, micro-batch {BIG_MICRO_BATCH}, {precision}"
+    rows.append(safe_row("MD fragmentation", zero_r.md_row, outcomes, label))
+    rows.append(safe_row("Pa+cpu overlap", zero_r.overlap_row, outcomes, label))
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:
@@ -228,7 +242,7 @@ def main() -> int:
         medians = ", ".join(f"{n} {1e3 * sorted(t)[len(t) // 2]:.1f}" for n, t in times.items())
         rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", f"median ms/step: {medians}", "runs", "PASS"))
     except (RankFailed, SystemExit) as e:
-        rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", _error_line(str(e)), "runs", "FAIL"))
+        rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", error_line(str(e)), "runs", "FAIL"))
 
     hw = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU rehearsal (no CUDA)"
     print(f"### GPU check: {hw}, torch {torch.__version__}, CUDA {torch.version.cuda}, {time.strftime('%Y-%m-%d')}\n")

@@ -66,9 +66,13 @@ def test_cpu_rehearsal_runs_every_check():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("### GPU check: CPU rehearsal") and "| check | measured | expected | verdict |" in lines
     rows = [line for line in lines if line.startswith("| ") and line.endswith(("| PASS |", "| FAIL |"))]
-    assert len(rows) == 8 + 4 + 1 + 1 and all(row.endswith("| PASS |") for row in rows)
+    assert len(rows) == 8 + 4 + 1 + 2 + 1 and all(row.endswith("| PASS |") for row in rows), rows
     assert sum("parity fp32" in row and "update distance 0.00e+00" in row for row in rows) == 4  # CPU against CPU
-    assert lines[-1].startswith("14/14 checks pass")
+    [md] = [row for row in rows if row.startswith("| MD fragmentation")]
+    assert "no allocator on CPU" in md and "arena 0.00 MB" not in md
+    [overlap] = [row for row in rows if row.startswith("| Pa+cpu overlap")]
+    assert "on demand 0" in overlap and "bitwise equal" in overlap
+    assert lines[-1].startswith("16/16 checks pass")
 
 
 def test_a_row_that_cannot_be_built_is_a_failed_row():
