@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.reports import figures, tables
+from experiments.reports import figures, tables, zero_r
 from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError
@@ -35,7 +35,8 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
             "throughput": tables.throughput_table(records), "memory": tables.memory_table(records),
             "communication": tables.comm_table(records), "throughput_predicted": tables.throughput_predicted(records),
             "paper_claims": tables.paper_claims(records), "simulation": tables.simulation_table(records),
-            "largest": tables.largest_table(records)}
+            "largest": tables.largest_table(records), "fig7_memory": zero_r.fig7_table(records),
+            "fig7_statements": zero_r.fig7_statements(records)}
 
 
 def to_markdown(df: pd.DataFrame) -> str:

@@ -71,7 +71,7 @@ def test_failed_points_keep_their_status_and_no_number(records):
 def test_report_writes_every_table_and_figure(records, tmp_path):
     written = {p.name for p in write_reports(records, tmp_path)}
     for table in ("table1", "table1_wide", "table2", "throughput", "memory", "communication", "throughput_predicted",
-                  "paper_claims", "simulation", "largest"):
+                  "paper_claims", "simulation", "largest", "fig7_memory", "fig7_statements"):
         assert {f"{table}.md", f"{table}.csv", f"{table}.tex"} <= written
     for figure in ("throughput_vs_size", "scaling", "largest_model", "memory_bars", "communication", "fig2_predicted",
                    "fig3_predicted", "fig4_predicted", "fig8_predicted", "simulated_memory"):
@@ -86,7 +86,7 @@ def test_report_cli(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                            f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert f"10 records (10 ok) -> 50 files in {tmp_path / 'cpu_default'}" in done.stdout
+    assert f"10 records (10 ok) -> 56 files in {tmp_path / 'cpu_default'}" in done.stdout
     bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                           f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: Could not find 'experiment/nope'")
@@ -152,3 +152,27 @@ def test_figures_notebook_executes_headless(tmp_path):
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 5
     text = "".join(o.get("text", "") for o in outputs)
     assert "every cell matches the paper within its printed rounding: True" in text
+
+
+def _fig7_record(model: str, config: str, peak_gb: float) -> dict:
+    kinds = {"params": 1e9, "grads": 1e9, "optimizer_states": 4e9, "activations": peak_gb * 1e9 - 6e9}
+    return {"experiment": "fig7", "measured_by": "simulated", "model": {"name": model}, "params": 4e10,
+            "zero_r_config": config, "micro_batch": 16, "status": "ok",
+            "memory": {"peak_bytes": peak_gb * 1e9, "peak_by_kind": kinds, "peak_phase": "backward"}}
+
+
+def test_fig7_checks_each_relation_the_paper_states():
+    """Section 10.5 states three relations between Figure 7's bars (no values): C2 below C1,
+    no decrease from C4 to C5 at 40B (under 2% of C4's bar), a decrease at 100B."""
+    from experiments.reports import zero_r
+    records = [_fig7_record("zr_40b", c, gb) for c, gb in (("C1", 27), ("C2", 15), ("C3", 22), ("C4", 10), ("C5", 9.9))]
+    records += [_fig7_record("fig2_100b", "C4", 26), _fig7_record("fig2_100b", "C5", 25.9)]
+    table = zero_r.fig7_table(records)
+    assert list(table.config) == ["C1", "C2", "C3", "C4", "C5", "C4", "C5"] and table.model_states_GB.eq(6).all()
+    verdicts = zero_r.fig7_statements(records).set_index("paper").agrees
+    assert verdicts["memory decreases from C1 to C2"] is True
+    assert verdicts["C2 vs C3 depends on the model"] is None
+    assert verdicts["no decrease from C4 to C5 for 40B"] is True    # 1% less: no visible decrease
+    assert verdicts["a decrease from C4 to C5 for 100B"] is False   # 0.4% less: not the decrease stated
+    missing = zero_r.fig7_statements(records[:1]).agrees
+    assert missing.isna().all()  # a statement with a point missing is not judged

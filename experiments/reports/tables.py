@@ -244,9 +244,9 @@ ZERO_R_EXPERIMENTS = ("fig2", "fig3", "fig6", "fig7", "fig8")  # the paper ran t
 def paper_verdict(record: dict) -> tuple[str, bool | None]:
     """(what the paper did with the point, whether the simulation's verdict agrees; None where
     the paper says nothing). Every point of Figures 2-4 and 6-8 ran in the paper; the ZeRO
-    points of Figures 2, 3 and 6-8 ran as ZeRO-100B, Pos+g with ZeRO-R (Pa, CB, MD), which this
-    suite lacks: they agree when they fit, or when only activations (what Pa and CB shrink)
-    keep them from fitting."""
+    points of Figures 2, 3 and 6-8 ran as ZeRO-100B, Pos+g with ZeRO-R: simulated with their
+    ZeRO-R switches they agree when they fit; without them (a user's override), also when only
+    activations (what Pa and CB shrink) keep them from fitting."""
     experiment, status = record.get("experiment"), record.get("status")
     cause = record.get("memory", {}).get("cause")
     if experiment in ZERO_R_EXPERIMENTS and record.get("stage", 0) > 0:
