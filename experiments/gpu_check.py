@@ -12,8 +12,8 @@
    activation recomputation, micro-batch 4: TFLOPs/GPU (Narayanan Eq. 3) and
    torch.cuda.max_memory_allocated beside the suite's model-state prediction;
 4. ZeRO-R (experiments/gpu_check_zero_r.py): the 1.3B point again at stage 2 without and with
-   MD, and with Pa and Pa+cpu: the allocator's slack (reserved - allocated) with and without
-   MD, and whether Pa+cpu's host round trip is prefetched, exact and overlapped;
+   MD, and with Pa and Pa+cpu: the allocator's fragmentation with and without MD, and whether
+   Pa+cpu's host round trip is prefetched and exact, and what it costs in memory and time;
 5. bench: experiments/bench_engine.py at world 1, a few steps per system.
 
 Prints a Markdown block (the README's "GPU check" section takes it as is); exit code 1 if any
@@ -234,7 +234,7 @@ def main() -> int:
         outcomes = {name: {"ok": False, "error": str(e)} for name in runs}
     label = f"{big_model}, micro-batch {BIG_MICRO_BATCH}, {precision}"
     rows.append(safe_row("MD fragmentation", zero_r.md_row, outcomes, label))
-    rows.append(safe_row("Pa+cpu overlap", zero_r.overlap_row, outcomes, label))
+    rows.append(safe_row("Pa+cpu prefetch and cost", zero_r.overlap_row, outcomes, label))
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:

@@ -53,8 +53,9 @@ def family_point(point: Point, layers: int) -> Point:
 
 
 def _row_key(p: Point) -> tuple:
-    """A row: stage, TP, GPUs and ZeRO-R configuration (Figure 6 has one row per C1-C5)."""
-    return p.stage, p.tp, p.gpus, _zero_r_name(p)
+    """A row: stage, TP, GPUs, ZeRO-R configuration (Figure 6 has one row per C1-C5) and the
+    optimizer's update size (Table 2 searches each baseline with a whole and a chunked step)."""
+    return p.stage, p.tp, p.gpus, _zero_r_name(p), p.zero.get("optimizer_bucket_size")
 
 
 def _zero_r_name(p: Point) -> str | None:

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZeroConfig
+from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
 from experiments.analysis.memory import model_state_bytes
 from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameters_per_tp_rank
 
-from .schema import ModelConfig, TrainSettings
+from .schema import ModelConfig, TrainSettings, ZeroSettings
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 AXES = ("model", "stage", "gpus", "tp", "micro_batch")
@@ -34,11 +34,13 @@ NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir")  # tr
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 
 
-# engine knobs added after the first records: at these defaults they stay out of a point's hash,
-# so the ids of earlier records still hold
+# engine knobs added after the first records, at the value that behaves as the engine did before
+# they existed: there they stay out of a point's hash, so the ids of earlier records still hold
+# (literals: a later change of a default must not remap ids). optimizer_bucket_size: None is the
+# whole-shard step of before; at its default 4e7 a point has a new id, as its peak may differ.
 LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
                        "contiguous_memory_optimization": False, "number_checkpoints": None,
-                       "optimizer_bucket_size": ZeroConfig.optimizer_bucket_size}
+                       "optimizer_bucket_size": None}
 
 
 class ConfigError(ValueError):
@@ -153,8 +155,7 @@ def expand(cfg: DictConfig) -> list[Point]:
         model = chosen_model if chosen_model and row["model"] == chosen_model["name"] else load_model(str(row["model"]))
         point = Point(experiment=exp.name, model=model, stage=row["stage"], gpus=row["gpus"],
                       tp=row["tp"], micro_batch=row["micro_batch"], note=row.get("note", ""), train=train,
-                      zero=_zero_for(dict(zero, **row.get("zero", {})), row.get("zero_r") or "", train),
-                      cluster=cluster)
+                      zero=_zero_for(zero, row, train), cluster=cluster)
         try:
             point.shape.check_tp(point.tp)
         except ValueError as e:
@@ -180,21 +181,32 @@ def _check_zero_r(spec: dict) -> None:
 
 
 def _check_point_zero(spec: dict) -> None:
-    """A point's own `zero` overrides name ZeroConfig keys (not the stage, an axis of its own)."""
-    allowed = sorted(f.name for f in fields(ZeroConfig) if f.name not in ("stage", "precision"))
+    """A point's own `zero` names the sweep's engine knobs (schema.ZeroSettings), and none of the
+    ZeRO-R switches its `zero_r` sets; values are checked per point, at its final stage (_zero_for)."""
+    allowed = [f.name for f in fields(ZeroSettings)]
+    if spec.get("zero_r"):
+        allowed = [k for k in allowed if k not in ZERO_R_SWITCHES]
     unknown = sorted(set(spec.get("zero") or {}) - set(allowed))
     if unknown:
-        raise ConfigError(f"point ({spec['model']}): zero override(s) {unknown} are not engine knobs; allowed: {allowed}")
-    try:
-        ZeroConfig(stage=spec["stage"], **(spec.get("zero") or {}))
-    except ValueError as e:
-        raise ConfigError(f"point ({spec['model']}): {str(e).replace('ZeroConfig.', 'zero.')}") from None
+        why = f" (zero_r {spec['zero_r']} sets the ZeRO-R switches)" if spec.get("zero_r") else ""
+        raise ConfigError(f"point ({spec['model']}): zero override(s) {unknown} are not a point's engine "
+                          f"knobs{why}; allowed: {sorted(allowed)}")
 
 
-def _zero_for(zero: dict, zero_r: str, train: dict) -> dict:
-    """The engine knobs of one point: the sweep's, with its Table 3 configuration's ZeRO-R switches."""
+def _zero_for(zero: dict, row: dict, train: dict) -> dict:
+    """The engine knobs of one point: the sweep's, the point's own over them, its Table 3
+    configuration's ZeRO-R switches over both; checked at the point's stage, sizes as integers
+    (a 2e7 written in YAML is the same point as 20000000)."""
+    zero_r = row.get("zero_r") or ""
+    zero = dict(zero, **(row.get("zero") or {}))
     if zero_r:
         zero = dict(zero, **{k: v for k, v in ZERO_R_CONFIGS[zero_r].items() if k != "stage"})
+    try:
+        config = ZeroConfig(stage=row["stage"], **zero)
+    except ValueError as e:
+        raise ConfigError(f"point ({row['model']}, stage {row['stage']}): "
+                          f"{str(e).replace('ZeroConfig.', 'zero.')}") from None
+    zero = {k: getattr(config, k) for k in zero}
     for key in ("partition_activations", "contiguous_memory_optimization"):
         if zero.get(key) and not train["recompute"]:
             raise ConfigError(f"zero.{key}{f' (zero_r {zero_r})' if zero_r else ''} acts on activation checkpoints: "

@@ -70,7 +70,7 @@ def test_cpu_rehearsal_runs_every_check():
     assert sum("parity fp32" in row and "update distance 0.00e+00" in row for row in rows) == 4  # CPU against CPU
     [md] = [row for row in rows if row.startswith("| MD fragmentation")]
     assert "no allocator on CPU" in md and "arena 0.00 MB" not in md
-    [overlap] = [row for row in rows if row.startswith("| Pa+cpu overlap")]
+    [overlap] = [row for row in rows if row.startswith("| Pa+cpu prefetch")]
     assert "on demand 0" in overlap and "bitwise equal" in overlap
     assert lines[-1].startswith("16/16 checks pass")
 

@@ -66,7 +66,8 @@ def test_fp64_matches_adamw(stage, world):
     (2, 4, {"reduce_bucket_size": 1, "allgather_bucket_size": 7}),  # a bucket per parameter
     (0, 2, {"optimizer_bucket_size": 300}),           # the update in chunks (optimizer.py)
     (2, 3, {"optimizer_bucket_size": 1}),             # one master per update
-    (3, 2, {"overlap_comm": False, "optimizer_bucket_size": 1}),
+    (3, 2, {"overlap_comm": False}),
+    (3, 3, {"optimizer_bucket_size": 1}),
     (3, 3, {"stage3_prefetch_bucket_size": 0}),           # no prefetch: every gather on demand
     (3, 4, {"stage3_max_live_units": 2}),                 # room for the root and one layer only
     (3, 3, {"stage3_param_persistence_threshold": 40}),   # biases and norms stay gathered

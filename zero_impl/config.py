@@ -33,10 +33,11 @@ class ZeroConfig:
         (grad_reducer.py), a constant independent of the model (a single parameter larger than a
         bucket gets a bucket of its own), where 5e8 would stage the whole gradient of any model
         under 500M parameters.
-    optimizer_bucket_size: elements of fp32 masters the optimizer updates at once (optimizer.py);
-        the step's temporaries (gradient copy in fp32, a foreach Adam's sqrt) are bounded by it.
-        None: the whole shard in one update, as Megatron-LM's and DeepSpeed's optimizers of the
-        paper's time did; it costs 8 more bytes per owned element at the step.
+    optimizer_bucket_size: elements of fp32 masters the optimizer updates at once (optimizer.py),
+        or one larger master (one bucket's shard of a param group); the step's temporaries (the
+        gradients' fp32 copy, a foreach Adam's square roots) scale with it. None: the whole shard
+        in one update (up to 8 more bytes per owned element at the step). Optimizers outside
+        optimizer.CHUNKABLE always step the whole shard.
     overlap_comm: launch a bucket's collective asynchronously as soon as it is ready, so it runs
         while backward computes the next bucket; False = blocking collectives.
     loss_scale: fp16 only; 0 = dynamic loss scaling starting at 2**initial_scale_power, halved

@@ -313,7 +313,7 @@ class ZeroEngine(nn.Module):
         accumulation) of at most reduce_bucket_size elements plus layout.py's alignment (a single
         parameter larger than that is a bucket of its own; stage 3: a unit); an all-gather of at
         most allgather_bucket_size elements; 2 norm scalars; an update of optimizer_bucket_size
-        elements (or one larger master; None: the whole shard); ZeRO-R's, one checkpoint each
+        elements (ShardedOptimizer.chunk_limit_bytes); ZeRO-R's, one checkpoint each
         (ActivationCheckpoints.buffer_limits)."""
         self._check_open()
         itemsize = self.config.grad_reduce_dtype.itemsize
@@ -326,11 +326,8 @@ class ZeroEngine(nn.Module):
                                     self.config.reduce_bucket_size + (PARAM_ALIGN - 1) * len(b.slots), multiple)
                           for b in self.params.buckets], default=0)
         staging = (MAX_INFLIGHT_STAGING + 1) * bucket + MAX_INFLIGHT_STAGING * bucket // n if self.config.stage >= 2 else 0
-        masters = [m.tensor.numel() for m in self.sharded_optimizer.masters]
-        step = sum(masters) if self.config.optimizer_bucket_size is None else \
-            max([self.config.optimizer_bucket_size, *masters])
         out = {"grad_staging": staging * itemsize, "norm": 2 * self._norm_itemsize(),
-               "optimizer_step": step * self.config.master_dtype.itemsize}
+               "optimizer_step": self.sharded_optimizer.chunk_limit_bytes()}
         if self.config.stage in (1, 2):
             out["allgather"] = max(self.config.allgather_bucket_size, n) * self.config.param_dtype.itemsize
         if self.activations is not None:

@@ -5,12 +5,15 @@ flat buffer it owns (stage 0 "owns" everything). This module turns those slices 
 master tensors, one per (bucket, param group) piece, hands them to an ordinary element-wise
 torch optimizer, and writes the updated values back into the model-precision shard.
 
-The update runs in chunks of at most `bucket_size` master elements (CB, paper Section 6.2): the
-step's temporaries (the gradient's copy in the masters' dtype, a foreach Adam's sqrt of every
-state it updates) are then bounded by the config, not by the shard. Stepping the whole shard at
-once costs 8 bytes per owned element on top of the 16 of mixed-precision Adam, which is what
-pushes Figure 2's 170B point over 32 GB. Element-wise optimizers with per-parameter state
-(Adam, AdamW, SGD) update each master exactly once per step either way.
+The update runs in chunks of at most `bucket_size` master elements (or one larger master: a
+master is one bucket's shard of one param group and is never split), CB (paper Section 6.2)
+applied to the step: its temporaries (the gradients' copy in fp32 when they are fp16/bf16, a
+foreach Adam's square root of every second moment) are then bounded by the config, not by the
+shard. At once, they cost up to 8 bytes per owned element on top of mixed-precision Adam's 16,
+which put Figure 2's 170B point over its 31 GB. Chunking is exact only for optimizers whose
+every counter is per parameter (torch.optim's Adam, AdamW, SGD, ...: `CHUNKABLE`); any other
+optimizer steps the whole shard at once. Step hooks fire once per chunk (torch's MemTracker,
+which marks phases with them, is unaffected; a hook that counts steps is not).
 """
 from __future__ import annotations
 
@@ -25,6 +28,13 @@ from .comm import Communicator
 from .layout import Bucket, Piece
 from .loss_scaler import LossScaler
 from .memory import storage_bytes
+
+
+# torch.optim's element-wise optimizers whose state, step counter included, is per parameter: a
+# step() over some parameters (the others have no .grad) leaves the others exactly as they were.
+# Exact types only: a subclass may count steps per group (as apex's and TE's FusedAdam do).
+CHUNKABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adamax,
+             torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta)
 
 
 @dataclass
@@ -94,7 +104,8 @@ class ShardedOptimizer:
         groups = [dict(options, params=[m.tensor for m in self.masters if m.piece.key == index])
                   for index, options in enumerate(group_options)]
         self.optimizer = factory(groups)
-        self.chunks = _chunks(self.masters, bucket_size)
+        self.bucket_size = bucket_size
+        self.planned_chunks = _chunks(self.masters, bucket_size)
         self.grad_norm = float("nan")
         self.skipped_steps = 0
 
@@ -155,9 +166,24 @@ class ShardedOptimizer:
             if not self.share_master:
                 m.local(m.shard.param).copy_(m.tensor)
 
+    @property
+    def chunks(self) -> list[list[Master]]:
+        """The masters each update of a step covers: the planned chunks for a CHUNKABLE
+        optimizer, else all at once."""
+        if type(self.optimizer) in CHUNKABLE:
+            return self.planned_chunks
+        return [self.masters] if self.masters else []
+
     def chunk_bytes(self) -> int:
-        """Bytes of the largest chunk's masters: the step's gradient copy when it converts (CB)."""
+        """Bytes of the masters the largest update covers (CB): its temporaries scale with them."""
         return max([sum(m.tensor.numel() for m in c) for c in self.chunks], default=0) * self.master_dtype.itemsize
+
+    def chunk_limit_bytes(self) -> int:
+        """What the config holds chunk_bytes() to: bucket_size elements or one larger master
+        (masters are never split); the whole shard without bucket_size or a CHUNKABLE optimizer."""
+        sizes = [m.tensor.numel() for m in self.masters]
+        whole = self.bucket_size is None or self.chunks is not self.planned_chunks
+        return (sum(sizes) if whole else max([self.bucket_size, *sizes])) * self.master_dtype.itemsize
 
     def full_master(self, total: int, buckets: list[Bucket], comm: Communicator | None) -> torch.Tensor:
         """The whole flat buffer in the masters' dtype: the masters where they exist, the
@@ -193,9 +219,9 @@ def _chunks(masters: list[Master], bucket_size: int | None) -> list[list[Master]
     if bucket_size is None:
         return [masters] if masters else []
     chunks: list[list[Master]] = []
-    size = bucket_size  # forces a new chunk for the first master
+    size = 0
     for m in masters:
-        if size + m.tensor.numel() > bucket_size:
+        if not chunks or size + m.tensor.numel() > bucket_size:
             chunks.append([])
             size = 0
         chunks[-1].append(m)

@@ -91,8 +91,9 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
     and measured columns; our measured column from records of the table2 experiment."""
     paper = pd.read_csv(paper_dir / "table2_max_model_size.csv", dtype=str)
     measured = _table2_measured(records)
-    largest = {(r["tp"], r["stage"]): f"{r['simulated_max_params'] / 1e9:.1f}B (simulated)"
-               for r in largest_results(records) if r["experiment"] == "table2"}
+    largest = {(rec["tp"], rec["stage"], optimizer_step(rec)): f"{r['simulated_max_params'] / 1e9:.1f}B (simulated)"
+               for rec in records for r in [rec.get("largest_search")]
+               if r and rec.get("measured_by") == "simulated" and r["experiment"] == "table2"}
     rows = []
     for _, r in paper.iterrows():
         mp = int(r["mp"])
@@ -111,10 +112,18 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
         row["measured_Pos_paper"] = r["measured_ZeRO-DP_Pos"]
         row["measured_baseline_ours"] = measured.get((mp, 0), "not run")
         row["measured_Pos_ours"] = measured.get((mp, 1), "not run")
-        row["largest_baseline_simulated"] = largest.get((mp, 0), "not searched")
-        row["largest_Pos_simulated"] = largest.get((mp, 1), "not searched")
+        row["largest_baseline_simulated"] = largest.get((mp, 0, "whole"), "not searched")
+        row["largest_baseline_chunked_step_simulated"] = largest.get((mp, 0, "chunked"), "not searched")
+        row["largest_Pos_simulated"] = largest.get((mp, 1, "chunked"), "not searched")
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def optimizer_step(record: dict) -> str:
+    """"whole" when the record's optimizer updated the whole shard at once
+    (zero.optimizer_bucket_size null, as Table 2's and Figures 2 and 4's baselines), else "chunked"."""
+    zero = record.get("config", {}).get("zero", {})
+    return "whole" if "optimizer_bucket_size" in zero and zero["optimizer_bucket_size"] is None else "chunked"
 
 
 def _table2_measured(records: list[dict]) -> dict[tuple[int, int], str]:
@@ -325,6 +334,7 @@ def largest_table(records: list[dict]) -> pd.DataFrame:
         at = [s for s in sims if s["layers"] == r["simulated_max_layers"]]
         rows.append({
             "experiment": r["experiment"], "stage": STAGE_NAMES[r["stage"]], "zero_r": record.get("zero_r_config"),
+            "optimizer_step": optimizer_step(record),
             "mp": r["tp"], "gpus": r["gpus"],
             "dp": r["dp"], "micro_batch": r["micro_batch"], "family": f"h {r['hidden']}, {r['heads']} heads",
             "analytic_max_B": r["analytic_max_params"] / 1e9, "analytic_max_layers": r["analytic_max_layers"],
