@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
-from experiments.analysis.memory import model_state_bytes
+from experiments.analysis.memory import model_state_bytes, optimizer_step_bytes
 from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameters_per_tp_rank
 
 from .schema import ModelConfig, TrainSettings, ZeroSettings
@@ -277,9 +277,11 @@ def predicted_model_state_bytes(point: Point, precision: str) -> dict[str, float
 
 
 def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True) -> dict[str, float]:
-    """Peak bytes per GPU of the point's recipe: Table 1's model states, the activations of its
-    micro-batch (Korthikanti et al. 2022, with the point's recomputation) and the engine's
-    buffers (experiments/analysis/activations.py), each with its terms, and their `total`.
+    """Peak bytes per GPU of the point's recipe, `total`: the larger of backward's (Table 1's
+    model states, the activations of its micro-batch, Korthikanti et al. 2022, with the point's
+    recomputation, and the engine's buffers, experiments/analysis/activations.py) and the
+    optimizer step's (the model states and the step's temporaries, analysis/memory.py
+    optimizer_step_bytes, with a foreach Adam as on CUDA), each with its terms; `peak_phase`.
     dropout: count dropout masks, as the paper's recipe trains (the benchmark model has none)."""
     shape = point.shape
     vocab = padded_vocab_size(shape.vocab_size, point.tp)
@@ -296,6 +298,11 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
                                   stage3_max_live_units=config.stage3_max_live_units,
                                   param_bytes=config.param_dtype.itemsize,
                                   reduce_bytes=config.grad_reduce_dtype.itemsize)
+    owned = parameters_per_tp_rank(shape, point.tp) / (point.dp if point.stage > 0 else 1)
+    step = optimizer_step_bytes(owned, chunk=config.optimizer_bucket_size, grad_bytes=config.grad_reduce_dtype.itemsize,
+                                master_bytes=config.master_dtype.itemsize)
+    backward = states["total"] + activations["total"] + buffers["total"]
     return {"model_states": states["total"], "activations": activations["total"], "buffers": buffers["total"],
-            "total": states["total"] + activations["total"] + buffers["total"],
+            "step_temporaries": step, "total": max(backward, states["total"] + step),
+            "peak_phase": "step" if states["total"] + step > backward else "backward",
             "terms": {"model_states": states, "activations": activations, "buffers": buffers}}

@@ -368,7 +368,8 @@ def oom_cause(mem: dict, v: dict) -> str | None:
 
 
 def _analytic(predicted: dict) -> dict:
-    return {k: predicted[k] for k in ("model_states", "activations", "buffers", "total")}
+    return {k: predicted[k] for k in ("model_states", "activations", "buffers", "step_temporaries", "total",
+                                      "peak_phase")}
 
 
 # -- running points in child processes --------------------------------------------------------

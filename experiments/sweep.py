@@ -162,12 +162,14 @@ def dry_run(points: list[Point]) -> None:
     states, activations of the micro-batch, engine buffers: points.predicted_memory_bytes); a
     point fits when the total is within the cluster's device_memory_gb (x 1e9 bytes, as the
     paper's Table 2). Run nothing."""
-    print("memory per GPU: Table 1 model states + activations (Korthikanti et al. 2022, dropout masks counted, "
-          "checkpoints replicated over TP unless the point's ZeRO-R Pa partitions them, on the host with Pa+cpu) "
-          "+ engine buffers; 'fits' against cluster.device_memory_gb")
+    print("memory per GPU: the larger of backward's Table 1 model states + activations (Korthikanti et al. 2022, "
+          "dropout masks counted, checkpoints replicated over TP unless the point's ZeRO-R Pa partitions them, on "
+          "the host with Pa+cpu) + engine buffers, and the optimizer step's model states + its temporaries; 'fits' "
+          "against cluster.device_memory_gb")
     print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | micro-batch | recompute "
-          "| model states/GPU | activations/GPU | buffers/GPU | total/GPU | fits device | runnable here |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|")
+          "| model states/GPU | activations/GPU | buffers/GPU | step temporaries/GPU | total/GPU | fits device "
+          "| runnable here |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|")
     for p in points:  # described for the target cluster's GPUs: "auto" means half precision there
         precision = p.train["precision"] if p.train["precision"] != "auto" else "fp16"
         predicted = predicted_memory_bytes(p, precision)
@@ -178,7 +180,8 @@ def dry_run(points: list[Point]) -> None:
               f"| {parameter_count(p.shape, p.tp) / 1e9:.3f} | {p.gpus} "
               f"| {p.tp} | {p.dp} | {p.stage} | {p.global_batch} | {p.micro_batch} "
               f"| {'yes' if p.train['recompute'] else 'no'} | {_bytes(predicted['model_states'])} "
-              f"| {_bytes(predicted['activations'])} | {_bytes(predicted['buffers'])} | {_bytes(predicted['total'])} "
+              f"| {_bytes(predicted['activations'])} | {_bytes(predicted['buffers'])} "
+              f"| {_bytes(predicted['step_temporaries'])} | {_bytes(predicted['total'])} "
               f"| {fits} | {here} |")
 
 

@@ -34,6 +34,16 @@ def max_params(device_bytes: float, stage: int, nd: int, mp: int = 1, **bytes_pe
     return device_bytes * mp / per_param
 
 
+def optimizer_step_bytes(owned: float, *, chunk: float | None, grad_bytes: int, master_bytes: int = 4,
+                         foreach: bool = True) -> float:
+    """Temporaries of the optimizer step (zero_impl/optimizer.py) over `owned` master elements
+    per device, updated `chunk` elements at a time (None: all at once): the gradients' copy in
+    the masters' dtype where the two differ, and a foreach Adam's square root of every second
+    moment it updates (torch's pick for CUDA tensors; the single-tensor loop holds one tensor's)."""
+    n = owned if chunk is None else min(owned, chunk)
+    return n * ((master_bytes if grad_bytes != master_bytes else 0) + (master_bytes if foreach else 0))
+
+
 def predicted_for_engine(stats: dict) -> dict[str, float]:
     """Table 1's prediction for the configuration an engine reports in `engine.stats()`."""
     per = stats["bytes_per_param"]
