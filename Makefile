@@ -41,7 +41,7 @@ gpu-check: $(STAMP)
 	$(BIN)/python experiments/gpu_check.py
 
 # Regenerate the committed simulated reference set (the paper's points at their true world size,
-# one rank on fake tensors; about 15 minutes on 2 cores) and its reports.
+# one rank on fake tensors; about 10 minutes on 2 cores) and its reports.
 SIMULATED := fig2 fig4 fig7
 SEARCHED  := fig4 table2 fig6
 reference: $(STAMP)
