@@ -53,7 +53,6 @@ import torch.distributed as dist
 import zero_impl
 from experiments import records
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel, parameters_per_tp_rank
-from experiments.models.tiny_gpt import synthetic_tokens
 from experiments.points import Point, predicted_memory_bytes, resolve_precision
 from experiments.storage_tracker import KINDS, StorageTracker, label_engine
 
@@ -208,7 +207,7 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
     one (fake=False: real CPU tensors), so the two can be compared (tests/test_simulate.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from experiments.train import _build  # train.py's own build path
+    from experiments.train import _build, micro_batch_tokens, wrap_in_engine  # train.py's own path
 
     point = Point(**point_dict)
     t = point.train
@@ -238,23 +237,14 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
         phase("build")
         model, init_fn = _build(point, device, zero_impl.config.DTYPES[precision])
         phase("initialize")
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
-                  {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
-        extra = {} if foreach is None else {"foreach": foreach}
-        engine = zero_impl.initialize(
-            model, zero_impl.ZeroConfig(stage=point.stage, precision=precision,
-                                        grad_accum_steps=t["grad_accum_steps"], **point.zero),
-            optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999), **extra),
-            param_groups=groups, dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
+        engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group,
+                                **({} if foreach is None else {"foreach": foreach}))
         label_engine(tracker, engine)
         dp_rank = dist.get_rank(dp_group)
         for step in range(steps):
             for micro in range(t["grad_accum_steps"]):
-                seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
                 phase("forward", step + 1)
-                tokens = synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed)
-                loss = gpt_loss(engine, tokens)
+                loss = gpt_loss(engine, micro_batch_tokens(point, step, micro, dp_rank))
                 phase("backward")
                 engine.backward(loss)
                 del loss

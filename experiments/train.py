@@ -67,6 +67,28 @@ def with_checkpoint_dir(point: Point, experiment_dir: Path) -> dict:
     return resolved
 
 
+def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn, dp_group, tp_group,
+                   **adamw) -> zero_impl.ZeroEngine:
+    """`model` in the point's engine: its ZeroConfig, and the paper's AdamW (weight decay on
+    matrices only; `adamw` adds options, e.g. foreach) over ZeRO's data-parallel group."""
+    t = point.train
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
+              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    config = zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
+                                  **point.zero)
+    return zero_impl.initialize(model, config, optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999),
+                                                                                    **adamw),
+                                param_groups=groups, dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
+
+
+def micro_batch_tokens(point: Point, step: int, micro: int, dp_rank: int) -> torch.Tensor:
+    """The synthetic tokens of one micro-batch of one data-parallel rank: the same on any run."""
+    t = point.train
+    seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
+    return synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed)
+
+
 def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     """Train one point on this rank (torch.distributed is up); return this rank's measurements.
 
@@ -82,14 +104,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     torch.manual_seed(t["seed"])
     peak = PeakMemory(device)  # from the build through the first optimizer step
     model, init_fn = _build(point, device, zero_impl.config.DTYPES[precision])
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
-              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
-    engine = zero_impl.initialize(
-        model, zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
-                                    **point.zero),
-        optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999)), param_groups=groups,
-        dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
+    engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group)
     dp_rank = dist.get_rank(dp_group)
     losses, times, activation_bytes = [], [], 0
     start, saved, resumed_from = 0, None, None
@@ -109,8 +124,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
         began = time.perf_counter()
         total = torch.zeros((), device=device)
         for micro in range(t["grad_accum_steps"]):
-            seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
-            tokens = synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed).to(device)
+            tokens = micro_batch_tokens(point, step, micro, dp_rank).to(device)
             if step == start and micro == 0:  # measure what forward saves for backward, once
                 with SavedActivations(model) as census:
                     loss = gpt_loss(engine, tokens)
