@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import warnings
 
 import torch
 
@@ -51,13 +52,20 @@ def zero_r_rank(points: dict[str, dict], precision: str) -> dict[str, dict]:
     runs differing only in where checkpoints live can be compared bit for bit."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # deterministic mode would also fill every torch.empty with NaN: work that would blur the timings
+    torch.utils.deterministic.fill_uninitialized_memory = False
     from experiments.train import train_rank
     out = {}
     for name, point in points.items():
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # each run's reserved bytes are its own
-        out[name] = attempt(train_rank, point, precision)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[name] = attempt(train_rank, point, precision)
+        # ops without a deterministic kernel (warn_only): what to suspect if two runs differ
+        out[name]["nondeterministic"] = sorted({str(w.message).split(".")[0][:80] for w in caught
+                                                if "deterministic" in str(w.message)})
         if out[name]["ok"] and torch.cuda.is_available():
             stats = torch.cuda.memory_stats()
             out[name]["allocator"] = {k: stats.get(k, 0) for k in ALLOCATOR_STATS}
@@ -104,9 +112,11 @@ def overlap_row(outcomes: dict[str, dict], label: str) -> tuple[str, str, str, s
     host = c5["stats"]["buffers"].get("md_arena_host", 0)
     diff = max((abs(a - b) for a, b in zip(c4["losses"], c5["losses"])), default=math.inf)
     same = c4["losses"] == c5["losses"]
+    suspects = sorted(set(outcomes["C4 (Pa, MD)"]["nondeterministic"] + outcomes["C5 (Pa+cpu, MD)"]["nondeterministic"]))
     ratio = _median_ms(c5) / _median_ms(c4)
     measured = (f"prefetched {acts['prefetched']}/{acts['checkpoints']}, on demand {acts['on_demand']}, "
-                f"host arena {_size(host)}, losses {'bitwise equal' if same else f'DIFFER by up to {diff:.2e}'}; "
+                f"host arena {_size(host)}, losses {'bitwise equal' if same else f'DIFFER by up to {diff:.2e}'}"
+                f"{'' if same or not suspects else ' (nondeterministic ops: ' + ', '.join(suspects) + ')'}; "
                 f"C4: {_allocator(outcomes['C4 (Pa, MD)'], c4)}; C5: {_allocator(outcomes['C5 (Pa+cpu, MD)'], c5)}; "
                 f"step {_median_ms(c5):.0f} ms vs {_median_ms(c4):.0f} ms ({ratio:.2f}x)")
     ok = same and acts["on_demand"] == 0 and acts["prefetched"] == acts["checkpoints"] > 0 and host > 0

@@ -171,13 +171,11 @@ def expand(cfg: DictConfig) -> list[Point]:
 
 
 def _check_zero_r(spec: dict) -> None:
-    """A point's `zero_r` names one of Table 3's configurations, whose ZeRO-DP stage it lists."""
+    """A point's `zero_r` names one of Table 3's configurations (its stage is checked per row,
+    after the command line's axes: _zero_for)."""
     name = spec.get("zero_r") or ""
     if name and name not in ZERO_R_CONFIGS:
         raise ConfigError(f"zero_r must be one of {list(ZERO_R_CONFIGS)} (Table 3), got {name!r}")
-    if name and spec["stage"] != ZERO_R_CONFIGS[name]["stage"]:
-        raise ConfigError(f"point ({spec['model']}, zero_r {name}): {name} is stage {ZERO_R_CONFIGS[name]['stage']} "
-                          f"(Table 3), the point says stage {spec['stage']}")
 
 
 def _check_point_zero(spec: dict) -> None:
@@ -199,6 +197,9 @@ def _zero_for(zero: dict, row: dict, train: dict) -> dict:
     (a 2e7 written in YAML is the same point as 20000000)."""
     zero_r = row.get("zero_r") or ""
     zero = dict(zero, **(row.get("zero") or {}))
+    if zero_r and row["stage"] != ZERO_R_CONFIGS[zero_r]["stage"]:  # e.g. `stage=1` over a C4 point
+        raise ConfigError(f"point ({row['model']}, zero_r {zero_r}): {zero_r} is stage {ZERO_R_CONFIGS[zero_r]['stage']} "
+                          f"(Table 3), the point says stage {row['stage']}")
     if zero_r:
         zero = dict(zero, **{k: v for k, v in ZERO_R_CONFIGS[zero_r].items() if k != "stage"})
     try:
@@ -298,8 +299,13 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
                                   stage3_max_live_units=config.stage3_max_live_units,
                                   param_bytes=config.param_dtype.itemsize,
                                   reduce_bytes=config.grad_reduce_dtype.itemsize)
-    owned = parameters_per_tp_rank(shape, point.tp) / (point.dp if point.stage > 0 else 1)
-    step = optimizer_step_bytes(owned, chunk=config.optimizer_bucket_size, grad_bytes=config.grad_reduce_dtype.itemsize,
+    # A master is one bucket's shard of one param group, never split: a chunk may be one larger
+    # master, at most a bucket's or the largest parameter's (the tied embedding) share.
+    sharded_over = point.dp if point.stage > 0 else 1
+    params = parameters_per_tp_rank(shape, point.tp)
+    largest_master = max(min(config.reduce_bucket_size, params), vocab * shape.hidden / point.tp) / sharded_over
+    chunk = None if config.optimizer_bucket_size is None else max(config.optimizer_bucket_size, largest_master)
+    step = optimizer_step_bytes(params / sharded_over, chunk=chunk, grad_bytes=config.grad_reduce_dtype.itemsize,
                                 master_bytes=config.master_dtype.itemsize)
     backward = states["total"] + activations["total"] + buffers["total"]
     return {"model_states": states["total"], "activations": activations["total"], "buffers": buffers["total"],

@@ -153,6 +153,7 @@ def test_dry_run_prints_the_terms_and_the_verdicts(capsys):
             for line in capsys.readouterr().out.splitlines() if line.startswith("| fig2_")}
     big = rows[points[("fig2_100b", 2, 400, 16, 32)].point_id]
     small = rows[points[("fig2_1.5b", 2, 400, 1, 24)].point_id]
-    # | point | ... | micro-batch | recompute | model states | activations | buffers | total | fits | here |
-    assert big[10:12] == ["32", "yes"] and big[12] == "16.21 GB" and big[13] == "9.29 GB" and big[16] == "yes"
-    assert small[16] == "yes"
+    # | point | ... | micro-batch | recompute | model states | activations | buffers | step temporaries | total
+    # | fits | here |: the step's temporaries, one 4e7-element chunk at 8 B, stay below backward's peak
+    assert big[10:12] == ["32", "yes"] and big[12] == "16.21 GB" and big[13] == "9.29 GB" and big[17] == "yes"
+    assert big[15] == "320.00 MB" and small[17] == "yes"

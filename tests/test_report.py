@@ -71,7 +71,7 @@ def test_failed_points_keep_their_status_and_no_number(records):
 def test_report_writes_every_table_and_figure(records, tmp_path):
     written = {p.name for p in write_reports(records, tmp_path)}
     for table in ("table1", "table1_wide", "table2", "throughput", "memory", "communication", "throughput_predicted",
-                  "paper_claims", "simulation", "largest", "fig7_memory", "fig7_statements"):
+                  "paper_claims", "simulation", "largest"):
         assert {f"{table}.md", f"{table}.csv", f"{table}.tex"} <= written
     for figure in ("throughput_vs_size", "scaling", "largest_model", "memory_bars", "communication", "fig2_predicted",
                    "fig3_predicted", "fig4_predicted", "fig8_predicted", "simulated_memory"):
@@ -86,7 +86,7 @@ def test_report_cli(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                            f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert f"10 records (10 ok) -> 56 files in {tmp_path / 'cpu_default'}" in done.stdout
+    assert f"10 records (10 ok) -> 50 files in {tmp_path / 'cpu_default'}" in done.stdout
     bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                           f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: Could not find 'experiment/nope'")
@@ -176,3 +176,26 @@ def test_fig7_checks_each_relation_the_paper_states():
     assert verdicts["a decrease from C4 to C5 for 100B"] is False   # 0.4% less: not the decrease stated
     missing = zero_r.fig7_statements(records[:1]).agrees
     assert missing.isna().all()  # a statement with a point missing is not judged
+
+
+def test_fig7_tables_are_written_where_its_points_were_simulated(records):
+    from experiments.reports import zero_r
+    assert "fig7_memory" not in build_tables(records)  # no Figure 7 records: no empty tables
+    figure7 = load_records(REPO / "results" / "reference" / "runs", "fig7")
+    built = build_tables(records + figure7)
+    assert len(built["fig7_memory"]) == len(zero_r.fig7_records(figure7)) == 7
+    assert list(built["fig7_statements"].agrees) == [True, None, False, True]  # README's Figure 7 section
+
+
+def test_table2_reports_each_baseline_with_its_optimizer_step():
+    """Table 2 searches each baseline with a whole and a chunked step: the reports say which is which."""
+    table2 = load_records(REPO / "results" / "reference" / "runs", "table2")
+    largest = tables.largest_table(table2)
+    baselines = largest[largest.stage == "baseline DP"]
+    assert sorted(baselines.optimizer_step) == ["chunked"] * 5 + ["whole"] * 5
+    for _, pair in baselines.groupby("mp"):
+        whole, chunked = (pair[pair.optimizer_step == k].simulated_max_B.item() for k in ("whole", "chunked"))
+        assert whole < chunked  # 24 bytes per parameter at the step against 16
+    row = tables.table2(table2).set_index("mp").loc[1]
+    assert row.largest_baseline_simulated == "1.3B (simulated)"
+    assert row.largest_baseline_chunked_step_simulated == "1.9B (simulated)"

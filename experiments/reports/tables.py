@@ -91,7 +91,7 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
     and measured columns; our measured column from records of the table2 experiment."""
     paper = pd.read_csv(paper_dir / "table2_max_model_size.csv", dtype=str)
     measured = _table2_measured(records)
-    largest = {(rec["tp"], rec["stage"], optimizer_step(rec)): f"{r['simulated_max_params'] / 1e9:.1f}B (simulated)"
+    largest = {_table2_key(rec): f"{r['simulated_max_params'] / 1e9:.1f}B (simulated)"
                for rec in records for r in [rec.get("largest_search")]
                if r and rec.get("measured_by") == "simulated" and r["experiment"] == "table2"}
     rows = []
@@ -110,20 +110,26 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
                                         or abs(per_mp - _printed_billions(printed)) < 1e-6)
         row["measured_baseline_paper"] = r["measured_baseline"]
         row["measured_Pos_paper"] = r["measured_ZeRO-DP_Pos"]
-        row["measured_baseline_ours"] = measured.get((mp, 0), "not run")
-        row["measured_Pos_ours"] = measured.get((mp, 1), "not run")
+        row["measured_baseline_ours"] = measured.get((mp, 0, "whole"), "not run")
+        row["measured_baseline_chunked_step_ours"] = measured.get((mp, 0, "chunked"), "not run")
+        row["measured_Pos_ours"] = measured.get((mp, 1, None), "not run")
         row["largest_baseline_simulated"] = largest.get((mp, 0, "whole"), "not searched")
         row["largest_baseline_chunked_step_simulated"] = largest.get((mp, 0, "chunked"), "not searched")
-        row["largest_Pos_simulated"] = largest.get((mp, 1, "chunked"), "not searched")
+        row["largest_Pos_simulated"] = largest.get((mp, 1, None), "not searched")
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def optimizer_step(record: dict) -> str:
-    """"whole" when the record's optimizer updated the whole shard at once
-    (zero.optimizer_bucket_size null, as Table 2's and Figures 2 and 4's baselines), else "chunked"."""
-    zero = record.get("config", {}).get("zero", {})
-    return "whole" if "optimizer_bucket_size" in zero and zero["optimizer_bucket_size"] is None else "chunked"
+    """"whole" when the record's optimizer updated the whole shard at once (zero.optimizer_bucket_size
+    null, as Table 2's and Figures 2 and 4's baselines; and records from before the knob, which
+    all did), else "chunked"."""
+    return "whole" if record.get("config", {}).get("zero", {}).get("optimizer_bucket_size") is None else "chunked"
+
+
+def _table2_key(record: dict) -> tuple:
+    """(MP, stage, the optimizer step of a baseline; None for Pos, which runs one way)."""
+    return record["tp"], record["stage"], optimizer_step(record) if record["stage"] == 0 else None
 
 
 def _table2_measured(records: list[dict]) -> dict[tuple[int, int], str]:
@@ -131,7 +137,7 @@ def _table2_measured(records: list[dict]) -> dict[tuple[int, int], str]:
     for r in records:
         if r.get("experiment") != "table2" or r.get("measured_by") == "simulated":
             continue
-        key = (r["tp"], r["stage"])
+        key = _table2_key(r)
         label = f"{r['params'] / 1e9:.1f}B"
         out[key] = f"{label} ran" if r["status"] == "ok" else f"{label} {r['status']}"
     return out
@@ -346,7 +352,7 @@ def largest_table(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(LARGEST_COLUMNS))
 
 
-LARGEST_COLUMNS = ("experiment", "stage", "zero_r", "mp", "gpus", "dp", "micro_batch", "family", "analytic_max_B",
+LARGEST_COLUMNS = ("experiment", "stage", "zero_r", "optimizer_step", "mp", "gpus", "dp", "micro_batch", "family", "analytic_max_B",
                    "analytic_max_layers", "simulated_max_B", "simulated_max_layers", "peak_GB_at_max",
                    "peak_GB_one_layer_more", "limit_GB", "confirmed", "simulations", "paper", "measured_by")
 

@@ -24,7 +24,8 @@ STATEMENTS = (
 NO_DECREASE = 0.02
 
 
-def _fig7_records(records: list[dict]) -> list[dict]:
+def fig7_records(records: list[dict]) -> list[dict]:
+    """The simulated records of Figure 7's points."""
     return [r for r in records if r.get("experiment") == "fig7" and r.get("measured_by") == "simulated"
             and r.get("memory", {}).get("peak_bytes") is not None]
 
@@ -32,7 +33,7 @@ def _fig7_records(records: list[dict]) -> list[dict]:
 def fig7_table(records: list[dict]) -> pd.DataFrame:
     """One row per simulated Figure 7 point: its configuration, peak and what the peak holds."""
     rows = []
-    for r in _fig7_records(records):
+    for r in fig7_records(records):
         mem = r["memory"]
         kinds = mem.get("peak_by_kind") or {}
         rows.append({
@@ -51,7 +52,7 @@ def fig7_statements(records: list[dict]) -> pd.DataFrame:
     """Each of Section 10.5's statements on Figure 7 with our two peaks and whether they agree
     (None: the paper states no relation, or a point is missing)."""
     peaks = {(r["model"]["name"], r.get("zero_r_config")): r["memory"]["peak_bytes"] / GB
-             for r in _fig7_records(records)}
+             for r in fig7_records(records)}
     rows = []
     for model, config, other, words, relation in STATEMENTS:
         mine, theirs = peaks.get((model, config)), peaks.get((model, other))
