@@ -21,7 +21,8 @@ test: $(STAMP)
 # (a verdict must not depend on which CPU runs it); CPU_CAPS/THREADS narrow it.
 NUMERICAL := tests/test_parity.py tests/test_megatron_tp.py tests/test_stage3.py tests/test_stage3_schedule.py \
              tests/test_fp16_overflow.py tests/test_memory_comm.py tests/test_megatron_init.py tests/test_zero_r.py \
-             tests/test_checkpoint.py tests/test_construction_memory.py tests/test_engine_lifetime.py
+             tests/test_checkpoint.py tests/test_construction_memory.py tests/test_engine_lifetime.py \
+             tests/test_optimizer_step.py
 CPU_CAPS  ?= default avx2 $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
 THREADS   ?= 1 2
 test-matrix: $(STAMP)
