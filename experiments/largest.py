@@ -38,8 +38,8 @@ from experiments import records
 from experiments.models.megatron_gpt import parameter_count
 from experiments.points import Point, predicted_memory_bytes
 from zero_impl.config import zero_r_config
-from experiments.simulate import (_start, is_gpu_cluster, simulated_path, simulated_precision, simulated_record,
-                                  verdict)
+from experiments.simulate import _start, is_gpu_cluster, simulated_precision
+from experiments.simulated_records import simulated_path, simulated_record, verdict
 
 MAX_SIMULATIONS = 8
 MAX_LAYERS = 4096

@@ -52,12 +52,14 @@ import torch.distributed as dist
 
 import zero_impl
 from experiments import records
-from experiments.models.megatron_gpt import gpt_loss, initialize_parallel, parameters_per_tp_rank
-from experiments.points import Point, predicted_memory_bytes, resolve_precision
-from experiments.storage_tracker import KINDS, StorageTracker, label_engine
+from experiments.collective_counter import CollectiveCounter
+from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
+from experiments.points import Point, resolve_precision
+from experiments.simulated_records import (simulated_path, simulated_record, simulated_summary_markdown,
+                                           simulated_summary_rows)
+from experiments.storage_tracker import StorageTracker, label_engine
 
 SIM_STEPS = 2  # optimizer steps: the first creates the optimizer states, the second runs with them
-MEASURED_BY = "simulated"
 
 
 # -- precision --------------------------------------------------------------------------------
@@ -116,87 +118,6 @@ def _fake_safe_rng_tracker():
         tracker.__class__ = original
 
 
-# -- collectives outside the engine (megatron's tensor parallelism) ---------------------------
-class CollectiveCounter:
-    """Counts the collectives issued through torch.distributed by anything but the engine (whose
-    own go through zero_impl/comm.py and its ledger): megatron's TP all-reduces (forward,
-    backward, the vocabulary-parallel cross entropy). Counting convention of zero_impl/comm.py:
-    an all-reduce moves twice its size, an all-gather its output, a reduce-scatter its input.
-    Patched at call time, so functions megatron bound at import (its sequence-parallel
-    all-gather / reduce-scatter, unused without sequence parallelism) are not seen."""
-
-    NAMES = {"all_reduce": 2, "all_gather_into_tensor": 1, "_all_gather_base": 1, "reduce_scatter_tensor": 1,
-             "_reduce_scatter_base": 1, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
-
-    def __init__(self, groups: dict[str, object]) -> None:
-        self.groups = groups
-        self.counts: dict[tuple[str, str], dict[str, int]] = {}
-        self._saved: dict[str, object] = {}
-
-    def _group_name(self, group) -> str:
-        for name, g in self.groups.items():
-            if g is group:
-                return name
-        return "world" if group is None else "other"
-
-    def _wrap(self, name: str, fn):
-        factor = self.NAMES[name]
-
-        def wrapped(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if not caller.endswith(os.path.join("zero_impl", "comm.py")):
-                group = kwargs.get("group")
-                tensors = [a for a in args if torch.is_tensor(a)]
-                lists = [a for a in args if isinstance(a, (list, tuple)) and a and torch.is_tensor(a[0])]
-                if name in ("all_gather_into_tensor", "_all_gather_base"):
-                    numel = tensors[0].numel()                      # the output
-                elif name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
-                    numel = tensors[1].numel() if len(tensors) > 1 else tensors[0].numel()  # the input
-                elif name == "all_gather":
-                    numel = sum(t.numel() for t in lists[0]) if lists else 0
-                elif name == "reduce_scatter":
-                    numel = sum(t.numel() for t in lists[0]) if lists else 0
-                else:
-                    numel = tensors[0].numel() if tensors else 0
-                row = self.counts.setdefault((self._group_name(group), name), {"calls": 0, "elements": 0})
-                row["calls"] += 1
-                row["elements"] += factor * numel
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    def __enter__(self) -> "CollectiveCounter":
-        for name in self.NAMES:
-            self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self._saved[name]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-    def summary(self) -> dict:
-        """{group: {collective: {calls, elements}}}, and the elements per group."""
-        out: dict[str, dict] = {}
-        for (group, name), row in sorted(self.counts.items()):
-            out.setdefault(group, {})[name] = dict(row)
-        return out
-
-
-def tp_allreduce_theory(point: Point) -> int:
-    """Elements megatron's TP all-reduces move per optimizer step on one rank (without sequence
-    parallelism; all-reduce counted twice its size): per layer and micro-batch 2 in forward
-    (attention and MLP outputs), 2 more when backward recomputes the layer, 2 in backward (the
-    inputs' gradients of the QKV and FC1 column-parallel layers), each s·b·h; the embedding's
-    output in forward and the tied output layer's input gradient in backward, s·b·h each; the
-    cross entropy's 3 reductions over the vocabulary shards (max, target logit, sum of exps),
-    s·b each, which megatron issues at TP 1 too (the layers' reductions it skips there)."""
-    s, b, h, layers = point.shape.seq_len, point.micro_batch, point.shape.hidden, point.shape.layers
-    per_layer = 4 + (2 if point.train["recompute"] else 0)
-    per_micro = (0 if point.tp == 1 else (layers * per_layer + 2) * s * b * h) + 3 * s * b
-    return 2 * per_micro * point.train["grad_accum_steps"]
-
-
 # -- one rank's training, measured ------------------------------------------------------------
 def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, foreach: bool | None = None,
                    fake: bool = True) -> dict:
@@ -244,7 +165,8 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
         for step in range(steps):
             for micro in range(t["grad_accum_steps"]):
                 phase("forward", step + 1)
-                loss = gpt_loss(engine, micro_batch_tokens(point, step, micro, dp_rank))
+                tokens = micro_batch_tokens(point, step, micro, dp_rank)  # alive through backward, as in train.py
+                loss = gpt_loss(engine, tokens)
                 phase("backward")
                 engine.backward(loss)
                 del loss
@@ -275,91 +197,6 @@ def simulate_point(point_dict: dict, precision: str, rank: int = 0, *, steps: in
         dist.destroy_process_group()
     result["wall_s"] = time.perf_counter() - started
     return result
-
-
-# -- records ----------------------------------------------------------------------------------
-def verdict(point: Point, peak_bytes: int) -> dict:
-    """fits: peak + the cluster's CUDA reserve within its device memory (None: unknown device)."""
-    device_gb = point.cluster.get("device_memory_gb")
-    reserve = float(point.cluster.get("cuda_reserve_gb") or 0.0) * 1e9
-    if device_gb is None:
-        return {"fits": None, "device_bytes": None, "cuda_reserve_bytes": reserve, "needed_bytes": peak_bytes + reserve}
-    return {"fits": peak_bytes + reserve <= device_gb * 1e9, "device_bytes": device_gb * 1e9,
-            "cuda_reserve_bytes": reserve, "needed_bytes": peak_bytes + reserve}
-
-
-def simulated_record(point: Point, precision: str, result: dict | None, error: str | None, started: str,
-                     rank: int = 0) -> dict:
-    """The record of a simulated point: status ok (fits) or oom (does not), `measured_by`
-    "simulated", memory.peak_bytes with the breakdown by kind and the timeline by phase,
-    the engine's traffic beside 2Ψ/3Ψ and megatron's TP all-reduces beside their count."""
-    from experiments.analysis.memory import predicted_for_engine
-    from experiments.train import build_record, classify_failure
-
-    analytic = predicted_memory_bytes(point, precision)
-    if result is None:
-        status = "fail" if error and "out of memory" not in error.lower() else "oom"
-        record = build_record(point, precision, "simulate", status, None, error, started)
-        record.update(measured_by=MEASURED_BY, simulated_rank=rank)
-        record["memory"]["predicted_peak"] = _analytic(analytic)
-        return record
-    mem, stats = result["memory"], result["stats"]
-    v = verdict(point, mem["peak_bytes"])
-    status = "ok" if v["fits"] is not False else "oom"
-    cause, error = oom_cause(mem, v), None
-    if status == "oom":
-        breakdown = ", ".join(f"{k} {mem['peak_by_kind'][k] / 1e9:.2f}" for k in KINDS if mem["peak_by_kind"][k])
-        why = ("without them the peak would fit: activations are the cause (ZeRO-R's partitioned activations "
-               "and CPU checkpointing address them)" if cause == "activations" else "even without activations it "
-               f"does not fit: the largest kind is {cause}")
-        error = (f"simulated out of memory: peak {mem['peak_bytes'] / 1e9:.2f} GB (in {mem['peak_phase']}) + "
-                 f"{v['cuda_reserve_bytes'] / 1e9:.2f} GB CUDA reserve > {v['device_bytes'] / 1e9:.0f} GB; "
-                 f"at the peak ({breakdown} GB) {why}")
-    record = build_record(point, precision, "simulate", status, None, error, started)
-    theory = (3 if point.stage == 3 else 2) * stats["psi"] if point.dp > 1 else 0
-    last = stats["comm"]["last_step"]
-    megatron_tp = result["tp_traffic"].get("tp", {})
-    record.update(
-        measured_by=MEASURED_BY, simulated_rank=rank,
-        params_per_gpu=stats["psi"], padded_params_per_gpu=stats["padded_psi"],
-        memory={"predicted": predicted_for_engine(stats), "predicted_peak": _analytic(analytic),
-                "measured": {**stats["memory"], "peak_bytes": mem["peak_bytes"]},  # this rank only: no max over ranks
-                "measured_max_over_ranks": {**stats["memory"], "peak_bytes": mem["peak_bytes"]},
-                "peak_bytes": mem["peak_bytes"], "peak_by_kind": mem["peak_by_kind"], "peak_phase": mem["peak_phase"],
-                "host_peak_bytes": mem["host_peak_bytes"], "rounding": mem["rounding"], "timeline": mem["timeline"],
-                **v, "cause": cause},
-        comm={"elements_per_step": last["elements"], "bytes_per_step": last["bytes"],
-              "theory_elements_per_step": theory, "by_kind": last["by_kind"], "by_purpose": last["by_purpose"],
-              # ZeroDP's own traffic (what 2Ψ/3Ψ counts), without ZeRO-R's Pa all-gathers over the TP group
-              "dp_elements_per_step": sum(v["elements"] for k, v in last["by_purpose"].items() if k != "activations"),
-              "loss_scale": stats["loss_scale"], "skipped_steps": stats["skipped_steps"],
-              "tp_megatron": {"counted": megatron_tp,
-                              "elements_per_step": sum(r["elements"] for r in megatron_tp.values()) // result["steps"],
-                              "theory_elements_per_step": tp_allreduce_theory(point),
-                              "how": "torch.distributed calls outside zero_impl on megatron's TP group, counted by "
-                                     "a wrapper (experiments/simulate.py CollectiveCounter), per optimizer step"},
-              "other_groups": {g: v for g, v in result["tp_traffic"].items() if g != "tp"}},
-        simulation={"steps": result["steps"], "wall_s": result.get("wall_s"), "phase_seconds": result["phase_seconds"],
-                    "optimizer_foreach": result["foreach"], "rank": rank},
-    )
-    return record
-
-
-def oom_cause(mem: dict, v: dict) -> str | None:
-    """What a point that does not fit runs out on: "activations" when the peak without them
-    would fit (the Figure 2 points the paper trains with ZeRO-R's Pa), else the largest kind at
-    the peak. None when it fits or the device is unknown."""
-    if v["fits"] is not False:
-        return None
-    kinds = mem["peak_by_kind"]
-    if mem["peak_bytes"] - kinds.get("activations", 0) + v["cuda_reserve_bytes"] <= v["device_bytes"]:
-        return "activations"
-    return max((k for k in KINDS if k != "activations"), key=lambda k: kinds.get(k, 0))
-
-
-def _analytic(predicted: dict) -> dict:
-    return {k: predicted[k] for k in ("model_states", "activations", "buffers", "step_temporaries", "total",
-                                      "peak_phase")}
 
 
 # -- running points in child processes --------------------------------------------------------
@@ -449,12 +286,6 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
     return [out[p.point_id] for p in points]
 
 
-def simulated_path(results_dir: Path, point: Point) -> Path:
-    """Simulated records live apart from hardware ones (a simulated `ok` must never make a
-    real sweep skip a point): <results_dir>/simulated/<point_id>.json."""
-    return results_dir / "simulated" / f"{point.point_id}.json"
-
-
 # -- the sweep's simulate=true ----------------------------------------------------------------
 def check_simulate_rank(points: list[Point], rank: int) -> None:
     from experiments.points import ConfigError
@@ -490,57 +321,6 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
     print(f"simulated {len(todo)} points in {time.perf_counter() - started:.0f} s (rank {rank}); "
           f"records and summary.csv in {results_dir / 'simulated'}")
     return 0
-
-
-def simulated_summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
-    rows = []
-    for point in points:
-        r = records.read_record(simulated_path(results_dir, point)) or {}
-        mem, comm = r.get("memory", {}), r.get("comm", {})
-        kinds = mem.get("peak_by_kind") or {}
-        gb = 1e9
-        states = sum(kinds.get(k, 0) for k in ("params", "grads", "optimizer_states"))
-        rows.append({
-            "model": point.model["name"], "params_B": round(r.get("params", 0) / gb, 3), "gpus": point.gpus,
-            "tp": point.tp, "dp": point.dp, "stage": point.stage, "micro_batch": point.micro_batch,
-            "note": point.note, "precision": r.get("precision"),
-            "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
-            "states_GB": states / gb if kinds else None,
-            "activations_GB": kinds.get("activations", 0) / gb if kinds else None,
-            "buffers_GB": (kinds.get("buffers", 0) + kinds.get("gathered_params", 0)) / gb if kinds else None,
-            "temporaries_GB": kinds.get("temporaries", 0) / gb if kinds else None,
-            "peak_phase": mem.get("peak_phase"),
-            "analytic_GB": mem.get("predicted_peak", {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
-            "reserve_GB": mem.get("cuda_reserve_bytes", 0) / gb if "peak_bytes" in mem else None,
-            "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
-            "cause": mem.get("cause") if r.get("status") == "oom" else None,
-            "zero_r": "/".join(n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
-                                              ("contiguous_memory_optimization", "MD")) if point.zero.get(k)) or "-",
-            "comm_elements": comm.get("dp_elements_per_step", comm.get("elements_per_step")),
-            "comm_theory": comm.get("theory_elements_per_step"),
-            "tp_elements": (comm.get("tp_megatron") or {}).get("elements_per_step"),
-            "tp_theory": (comm.get("tp_megatron") or {}).get("theory_elements_per_step"),
-            "status": r.get("status", "missing"), "measured_by": r.get("measured_by", MEASURED_BY),
-            "sim_wall_s": (r.get("simulation") or {}).get("wall_s"), "point_id": point.point_id})
-    return rows
-
-
-def simulated_summary_markdown(rows: list[dict]) -> str:
-    def num(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-    lines = ["| model | params (B) | GPUs | TP | DP | stage | ZeRO-R | micro-batch | peak (GB, simulated) | states "
-             "| activations | buffers | temporaries | analytic (GB) | + reserve | device | status | cause | DP comm/step "
-             "| theory | TP comm/step | TP theory |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['params_B']:.3f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['zero_r']} "
-            f"| {r['micro_batch']} | {num(r['peak_GB'])} | {num(r['states_GB'])} | {num(r['activations_GB'])} "
-            f"| {num(r['buffers_GB'])} | {num(r['temporaries_GB'])} | {num(r['analytic_GB'])} | {num(r['reserve_GB'])} "
-            f"| {num(r['device_GB'], '{:.0f}')} | {r['status']} | {r['cause'] or '-'} "
-            f"| {num(r['comm_elements'], '{:,}')} | {num(r['comm_theory'], '{:,}')} "
-            f"| {num(r['tp_elements'], '{:,}')} | {num(r['tp_theory'], '{:,}')} |")
-    return "\n".join(lines)
 
 
 def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> int:

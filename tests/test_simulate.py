@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from experiments import simulate
+from experiments import simulate, simulated_records
 from experiments.launch import spawn
 from experiments.points import Point, load_model
 from experiments.records import load_records, read_record, validate_record
@@ -159,7 +159,7 @@ def test_paper_point_at_full_world():
     precision = simulate.simulated_precision(point)
     assert precision == "fp16"
     result = simulate.simulate_in_child(point.as_dict(), precision, 0, foreach=True)
-    record = simulate.simulated_record(point, precision, result, None, "now")
+    record = simulated_records.simulated_record(point, precision, result, None, "now")
     assert validate_record(record) == []
     assert record["status"] == "ok" and record["measured_by"] == "simulated" and record["tflops_per_gpu"] is None
     mem = record["memory"]
@@ -179,12 +179,12 @@ def test_verdict_names_activations():
     gb = 10 ** 9
     mem = {"peak_bytes": 40 * gb, "peak_by_kind": dict.fromkeys(KINDS, 0)}
     mem["peak_by_kind"].update(params=10 * gb, activations=30 * gb)
-    v = simulate.verdict(point, mem["peak_bytes"])
+    v = simulated_records.verdict(point, mem["peak_bytes"])
     assert v["fits"] is False and v["cuda_reserve_bytes"] == 1.0 * gb
-    assert simulate.oom_cause(mem, v) == "activations"
+    assert simulated_records.oom_cause(mem, v) == "activations"
     mem["peak_by_kind"].update(params=34 * gb, activations=6 * gb)
-    assert simulate.oom_cause(mem, v) == "params"
-    assert simulate.oom_cause(mem, simulate.verdict(point, 30 * gb)) is None  # 30 + 1 <= 32: fits
+    assert simulated_records.oom_cause(mem, v) == "params"
+    assert simulated_records.oom_cause(mem, simulated_records.verdict(point, 30 * gb)) is None  # 30 + 1 <= 32: fits
 
 
 # -- the command lines ----------------------------------------------------------------------------
