@@ -86,9 +86,9 @@ def md_row(outcomes: dict[str, dict], label: str) -> tuple[str, str, str, str]:
     name = f"MD fragmentation ({label}, stage 2 vs C3)"
     expected = ("both train, C3's checkpoints in its arena; the peak bytes of inactive split blocks (fragments) "
                 "and reserved - allocated peaks, measured (the paper: MD avoids OOM from fragmentation)")
-    failed = [n for n in ("stage 2", "C3 (MD)") if not outcomes[n]["ok"]]
-    if failed:
-        return name, f"{failed[0]}: {error_line(outcomes[failed[0]]['error'])}", expected, "FAIL"
+    failure = _first_failure(outcomes, ("stage 2", "C3 (MD)"))
+    if failure:
+        return name, failure, expected, "FAIL"
     parts, finite = [], True
     for run in ("stage 2", "C3 (MD)"):
         r = outcomes[run]["value"]
@@ -104,9 +104,9 @@ def overlap_row(outcomes: dict[str, dict], label: str) -> tuple[str, str, str, s
     name = f"Pa+cpu prefetch and cost ({label}, C5 vs C4)"
     expected = ("all checkpoints prefetched, none on demand, losses bitwise C4's; memory and the step time "
                 "ratio measured (near 1x when the side-stream copies overlap recomputation)")
-    failed = [n for n in ("C4 (Pa, MD)", "C5 (Pa+cpu, MD)") if not outcomes[n]["ok"]]
-    if failed:
-        return name, f"{failed[0]}: {error_line(outcomes[failed[0]]['error'])}", expected, "FAIL"
+    failure = _first_failure(outcomes, ("C4 (Pa, MD)", "C5 (Pa+cpu, MD)"))
+    if failure:
+        return name, failure, expected, "FAIL"
     c4, c5 = outcomes["C4 (Pa, MD)"]["value"], outcomes["C5 (Pa+cpu, MD)"]["value"]
     acts = c5["stats"]["activations"]
     host = c5["stats"]["buffers"].get("md_arena_host", 0)
@@ -121,6 +121,12 @@ def overlap_row(outcomes: dict[str, dict], label: str) -> tuple[str, str, str, s
                 f"step {_median_ms(c5):.0f} ms vs {_median_ms(c4):.0f} ms ({ratio:.2f}x)")
     ok = same and acts["on_demand"] == 0 and acts["prefetched"] == acts["checkpoints"] > 0 and host > 0
     return name, measured, expected, "PASS" if ok else "FAIL"
+
+
+def _first_failure(outcomes: dict[str, dict], runs: tuple[str, ...]) -> str | None:
+    """The first of `runs` that failed, and why, as a row's measured cell; None if all trained."""
+    failed = [n for n in runs if not outcomes[n]["ok"]]
+    return f"{failed[0]}: {error_line(outcomes[failed[0]]['error'])}" if failed else None
 
 
 def _allocator(outcome: dict, result: dict) -> str:

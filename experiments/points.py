@@ -197,10 +197,10 @@ def _zero_for(zero: dict, row: dict, train: dict) -> dict:
     (a 2e7 written in YAML is the same point as 20000000)."""
     zero_r = row.get("zero_r") or ""
     zero = dict(zero, **(row.get("zero") or {}))
-    if zero_r and row["stage"] != ZERO_R_CONFIGS[zero_r]["stage"]:  # e.g. `stage=1` over a C4 point
-        raise ConfigError(f"point ({row['model']}, zero_r {zero_r}): {zero_r} is stage {ZERO_R_CONFIGS[zero_r]['stage']} "
-                          f"(Table 3), the point says stage {row['stage']}")
     if zero_r:
+        if row["stage"] != ZERO_R_CONFIGS[zero_r]["stage"]:  # e.g. `stage=1` over a C4 point
+            raise ConfigError(f"point ({row['model']}, zero_r {zero_r}): {zero_r} is stage "
+                              f"{ZERO_R_CONFIGS[zero_r]['stage']} (Table 3), the point says stage {row['stage']}")
         zero = dict(zero, **{k: v for k, v in ZERO_R_CONFIGS[zero_r].items() if k != "stage"})
     try:
         config = ZeroConfig(stage=row["stage"], **zero)

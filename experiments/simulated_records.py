@@ -7,6 +7,7 @@ from pathlib import Path
 from experiments import records
 from experiments.collective_counter import tp_allreduce_theory
 from experiments.points import Point, predicted_memory_bytes
+from experiments.reports.tables import peak_breakdown_gb
 from experiments.storage_tracker import KINDS
 
 MEASURED_BY = "simulated"
@@ -107,18 +108,14 @@ def simulated_summary_rows(points: list[Point], results_dir: Path) -> list[dict]
     for point in points:
         r = records.read_record(simulated_path(results_dir, point)) or {}
         mem, comm = r.get("memory", {}), r.get("comm", {})
-        kinds = mem.get("peak_by_kind") or {}
         gb = 1e9
-        states = sum(kinds.get(k, 0) for k in ("params", "grads", "optimizer_states"))
+        breakdown = peak_breakdown_gb(mem)
         rows.append({
             "model": point.model["name"], "params_B": round(r.get("params", 0) / gb, 3), "gpus": point.gpus,
             "tp": point.tp, "dp": point.dp, "stage": point.stage, "micro_batch": point.micro_batch,
             "note": point.note, "precision": r.get("precision"),
             "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
-            "states_GB": states / gb if kinds else None,
-            "activations_GB": kinds.get("activations", 0) / gb if kinds else None,
-            "buffers_GB": (kinds.get("buffers", 0) + kinds.get("gathered_params", 0)) / gb if kinds else None,
-            "temporaries_GB": kinds.get("temporaries", 0) / gb if kinds else None,
+            "states_GB": breakdown.pop("model_states_GB"), **breakdown,
             "peak_phase": mem.get("peak_phase"),
             "analytic_GB": mem.get("predicted_peak", {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
             "reserve_GB": mem.get("cuda_reserve_bytes", 0) / gb if "peak_bytes" in mem else None,

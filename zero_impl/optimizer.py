@@ -104,8 +104,9 @@ class ShardedOptimizer:
         groups = [dict(options, params=[m.tensor for m in self.masters if m.piece.key == index])
                   for index, options in enumerate(group_options)]
         self.optimizer = factory(groups)
-        self.bucket_size = bucket_size
-        self.planned_chunks = _chunks(self.masters, bucket_size)
+        # master elements per update: None, the whole shard at once, unless the optimizer is CHUNKABLE
+        self.chunk_elements = bucket_size if type(self.optimizer) in CHUNKABLE else None
+        self.chunks = _chunks(self.masters, self.chunk_elements)
         self.grad_norm = float("nan")
         self.skipped_steps = 0
 
@@ -166,14 +167,6 @@ class ShardedOptimizer:
             if not self.share_master:
                 m.local(m.shard.param).copy_(m.tensor)
 
-    @property
-    def chunks(self) -> list[list[Master]]:
-        """The masters each update of a step covers: the planned chunks for a CHUNKABLE
-        optimizer, else all at once."""
-        if type(self.optimizer) in CHUNKABLE:
-            return self.planned_chunks
-        return [self.masters] if self.masters else []
-
     def chunk_bytes(self) -> int:
         """Bytes of the masters the largest update covers (CB): its temporaries scale with them."""
         return max([sum(m.tensor.numel() for m in c) for c in self.chunks], default=0) * self.master_dtype.itemsize
@@ -182,8 +175,8 @@ class ShardedOptimizer:
         """What the config holds chunk_bytes() to: bucket_size elements or one larger master
         (masters are never split); the whole shard without bucket_size or a CHUNKABLE optimizer."""
         sizes = [m.tensor.numel() for m in self.masters]
-        whole = self.bucket_size is None or self.chunks is not self.planned_chunks
-        return (sum(sizes) if whole else max([self.bucket_size, *sizes])) * self.master_dtype.itemsize
+        limit = sum(sizes) if self.chunk_elements is None else max([self.chunk_elements, *sizes])
+        return limit * self.master_dtype.itemsize
 
     def full_master(self, total: int, buckets: list[Bucket], comm: Communicator | None) -> torch.Tensor:
         """The whole flat buffer in the masters' dtype: the masters where they exist, the

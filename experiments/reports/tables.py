@@ -287,7 +287,6 @@ def simulation_table(records: list[dict]) -> pd.DataFrame:
         if measured_by(r) != "simulated":
             continue
         mem, comm = r.get("memory", {}), r.get("comm", {})
-        kinds = mem.get("peak_by_kind") or {}
         gb = 1e9
         paper, agrees = paper_verdict(r)
         tp = comm.get("tp_megatron") or {}
@@ -296,11 +295,7 @@ def simulation_table(records: list[dict]) -> pd.DataFrame:
             "gpus": r["world_size"], "mp": r["tp"], "dp": r["dp"], "stage": STAGE_NAMES[r["stage"]],
             "micro_batch": r["micro_batch"], "precision": r["precision"], "rank": r.get("simulated_rank", 0),
             "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
-            "model_states_GB": sum(kinds.get(k, 0) for k in ("params", "grads", "optimizer_states")) / gb if kinds else None,
-            "activations_GB": kinds.get("activations", 0) / gb if kinds else None,
-            "buffers_GB": (kinds.get("buffers", 0) + kinds.get("gathered_params", 0)) / gb if kinds else None,
-            "temporaries_GB": kinds.get("temporaries", 0) / gb if kinds else None,
-            "peak_phase": mem.get("peak_phase"),
+            **peak_breakdown_gb(mem), "peak_phase": mem.get("peak_phase"),
             "analytic_GB": (mem.get("predicted_peak") or {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
             "cuda_reserve_GB": mem["cuda_reserve_bytes"] / gb if "cuda_reserve_bytes" in mem else None,
             "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
@@ -321,9 +316,13 @@ SIMULATION_COLUMNS = ("experiment", "model", "params_B", "gpus", "mp", "dp", "st
                       "tp_theory", "paper", "agrees_with_paper", "measured_by")
 
 
-def largest_results(records: list[dict]) -> list[dict]:
-    """The searches of experiments/largest.py, from the records of their largest fitting models."""
-    return [r["largest_search"] for r in records if r.get("measured_by") == "simulated" and r.get("largest_search")]
+def peak_breakdown_gb(memory: dict) -> dict[str, float | None]:
+    """A simulated record's peak by what it holds (GB): model states, activations, buffers
+    (gathered parameters included) and temporaries; None each when the record has no breakdown."""
+    kinds = memory.get("peak_by_kind") or {}
+    parts = {"model_states_GB": ("params", "grads", "optimizer_states"), "activations_GB": ("activations",),
+             "buffers_GB": ("buffers", "gathered_params"), "temporaries_GB": ("temporaries",)}
+    return {name: sum(kinds.get(k, 0) for k in keys) / 1e9 if kinds else None for name, keys in parts.items()}
 
 
 def largest_table(records: list[dict]) -> pd.DataFrame:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from experiments.reports.tables import peak_breakdown_gb
+
 GB = 1e9
 # Section 10.5 on Figure 7: (model, config, other config, the paper's words, the relation it
 # states between config's peak and the other's: "lower", "no lower", or None when it states none)
@@ -35,14 +37,10 @@ def fig7_table(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in fig7_records(records):
         mem = r["memory"]
-        kinds = mem.get("peak_by_kind") or {}
         rows.append({
             "model": r["model"]["name"], "params_B": r["params"] / GB, "config": r.get("zero_r_config"),
             "micro_batch": r["micro_batch"], "peak_GB": mem["peak_bytes"] / GB, "peak_phase": mem.get("peak_phase"),
-            "model_states_GB": sum(kinds.get(k, 0) for k in ("params", "grads", "optimizer_states")) / GB,
-            "activations_GB": kinds.get("activations", 0) / GB,
-            "buffers_GB": (kinds.get("buffers", 0) + kinds.get("gathered_params", 0)) / GB,
-            "temporaries_GB": kinds.get("temporaries", 0) / GB, "status": r["status"]})
+            **peak_breakdown_gb(mem), "status": r["status"]})
     return pd.DataFrame(rows, columns=["model", "params_B", "config", "micro_batch", "peak_GB", "peak_phase",
                                        "model_states_GB", "activations_GB", "buffers_GB", "temporaries_GB",
                                        "status"])
