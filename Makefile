@@ -18,18 +18,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # The numerical tests under every CPU kernel family and thread count this CPU allows
-# (a verdict must not depend on which CPU runs it); CPU_CAPS/THREADS narrow it.
-NUMERICAL := tests/test_parity.py tests/test_megatron_tp.py tests/test_stage3.py tests/test_stage3_schedule.py \
-             tests/test_fp16_overflow.py tests/test_memory_comm.py tests/test_megatron_init.py tests/test_zero_r.py \
-             tests/test_checkpoint.py tests/test_construction_memory.py tests/test_engine_lifetime.py \
-             tests/test_optimizer_step.py
+# (a verdict must not depend on which CPU runs it): the tests marked numerical; CPU_CAPS/THREADS narrow it.
 CPU_CAPS  ?= default avx2 $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
 THREADS   ?= 1 2
 test-matrix: $(STAMP)
 	@set -e; for cap in $(CPU_CAPS); do echo "== ATEN_CPU_CAPABILITY=$$cap"; \
-	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -p no:cacheprovider $(NUMERICAL); done; \
+	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -p no:cacheprovider -m numerical; done; \
 	for n in $(THREADS); do echo "== OMP_NUM_THREADS=$$n"; \
-	  OMP_NUM_THREADS=$$n $(BIN)/python -m pytest -q -p no:cacheprovider $(NUMERICAL); done
+	  OMP_NUM_THREADS=$$n $(BIN)/python -m pytest -q -p no:cacheprovider -m numerical; done
 
 run: $(STAMP)
 	$(BIN)/python experiments/sweep.py stage=2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GENERATED = ("results/runs", "results/reports", "results/slurm", "outputs", "multirun", ".venv")  # made by runs
 
 

@@ -14,6 +14,8 @@ import pytest
 from helpers import CLIP, FP64_TOL, max_abs_diff, reference_run, relative_update_error, zero_run
 from experiments.launch import spawn
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 STEPS, ACCUM = 10, 2
 _reference_cache: dict = {}
 

@@ -19,6 +19,8 @@ import zero_impl
 from experiments.launch import spawn
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 SHAPE = TinyGPTConfig(vocab_size=1000, seq_len=32, hidden=96, layers=4, heads=4)
 CHUNK = 20_000  # elements of masters per update: several per rank (each rank owns ~250k)
 
@@ -113,46 +115,3 @@ def test_optimizer_bucket_size_is_validated():
     for bad in (0, -1, 2.5, "big", True):
         with pytest.raises(ValueError, match="optimizer_bucket_size"):
             zero_impl.ZeroConfig(optimizer_bucket_size=bad)
-
-
-def test_paper_baselines_step_the_whole_shard():
-    """The paper's baselines are modelled with the whole model in one update (a point's own zero
-    override); Table 2 searches each one a second time with the default chunked update, and
-    every other point keeps the default."""
-    from test_zero_r import _compose
-    from experiments.points import expand
-    for experiment in ("fig2", "fig4", "table2"):
-        for point in expand(_compose(f"experiment={experiment}", "dry_run=true")):
-            whole = point.stage == 0 and "chunked step" not in point.note
-            expected = None if whole else zero_impl.ZeroConfig.optimizer_bucket_size
-            assert point.zero["optimizer_bucket_size"] == expected, (experiment, point.describe())
-    table2 = expand(_compose("experiment=table2", "dry_run=true"))
-    assert sum("chunked step" in p.note for p in table2) == sum(p.stage == 0 for p in table2) // 2 == 5
-
-
-@pytest.mark.parametrize("override,zero_r,message", [
-    ({"bogus_size": 1}, "", r"zero override\(s\) \['bogus_size'\] are not a point's engine knobs; allowed: .*optimizer_bucket_size"),
-    ({"optimizer_bucket_size": 0}, "", r"point \(fig4_1.38b, stage 0\): zero.optimizer_bucket_size must be an integer >= 1, got 0"),
-    ({"stage": 3}, "", r"\['stage'\] are not a point's engine knobs"),
-    ({"grad_accum_steps": 2}, "", r"\['grad_accum_steps'\] are not a point's engine knobs"),  # a train.* setting
-    ({"contiguous_memory_optimization": False}, "C3", r"zero_r C3 sets the ZeRO-R switches"),
-])
-def test_a_points_zero_override_is_checked_by_name(override, zero_r, message):
-    from experiments.points import ConfigError, expand
-    cfg = _table2_with_first_point(zero=override, **({"zero_r": zero_r, "stage": 2} if zero_r else {}))
-    with pytest.raises(ConfigError, match=message):
-        expand(cfg)
-
-
-def test_a_points_sizes_are_integers_whatever_the_yaml_wrote():
-    from experiments.points import expand
-    written, typed = (expand(_table2_with_first_point(zero={"optimizer_bucket_size": v}))[0] for v in (2e7, 20000000))
-    assert written.zero["optimizer_bucket_size"] == 20000000 and written.point_id == typed.point_id
-
-
-def _table2_with_first_point(**changes):
-    from omegaconf import OmegaConf
-    from test_zero_r import _compose
-    cfg = _compose("experiment=table2", "dry_run=true")
-    OmegaConf.update(cfg, "experiment.points", [dict(OmegaConf.to_container(cfg.experiment.points[0]), **changes)])
-    return cfg

@@ -22,6 +22,8 @@ from helpers import CLIP, LR, MICRO_BATCH, adamw, fp64_tolerance, global_batch, 
 from experiments.launch import spawn
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 DEEP = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=8, heads=2)
 WIDE = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=32, layers=3, heads=2)
 SMALL = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=3, heads=2)

@@ -9,6 +9,8 @@ import zero_impl
 from helpers import adamw, global_batch, lm_loss, make_model, max_abs_diff, param_groups
 from experiments.launch import spawn
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 OVERFLOW_STEP = 2
 
 

@@ -17,6 +17,8 @@ from experiments.analysis.memory import predicted_for_engine
 from experiments.launch import RankFailed, spawn
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 DEEP = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=10, layers=5, heads=2)
 
 

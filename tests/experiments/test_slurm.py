@@ -13,7 +13,9 @@ import pytest
 from experiments.records import load_records, validate_record
 from slurm_harness import LocalSlurm, ensure_installed
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
 SMALL_NODE = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1"]  # fits a one-CPU node
 TINY = ["cluster=local", "model=tiny_s", "gpus=2", "micro_batch=2", "train.steps=2", "train.warmup_steps=1",
         "train.precision=auto"]

@@ -18,6 +18,8 @@ from experiments.launch import spawn
 from experiments.models.megatron_gpt import (INIT_STD, GPTShape, ParamRole, _transformer_config, build_gpt,
                                              init_parameter, initialize_parallel, megatron_param_init_fn, param_role)
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 SHAPE = GPTShape(layers=2, hidden=16, heads=4, seq_len=8, vocab_size=256)  # vocab: one padding for TP <= 2
 SEED = 7
 

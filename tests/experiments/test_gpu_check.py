@@ -13,7 +13,7 @@ import torch
 from experiments import gpu_check
 from experiments.gpu_check import SKIPPED, parity_distance, verdict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # also on a machine with GPUs: the check must skip
 
 

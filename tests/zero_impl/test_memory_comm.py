@@ -16,6 +16,8 @@ from helpers import adamw, global_batch, live_storages, lm_loss, make_model, pad
 from experiments.launch import spawn
 from experiments.analysis.memory import model_state_bytes, predicted_for_engine
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 
 def _engine(stage: int, precision: str = "fp16", **config) -> zero_impl.ZeroEngine:
     """The paper's arrangement by default: fp16 parameters and gradients (P = G = 2), K = 12."""

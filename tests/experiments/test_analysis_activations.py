@@ -5,24 +5,20 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 from experiments import sweep
 from experiments.analysis.activations import (activation_memory, checkpoint_bytes, engine_buffer_bytes, head_bytes,
                                               layer_activation_bytes, layer_params_per_tp_rank, logits_bytes,
                                               root_params_per_tp_rank)
 from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameter_count, parameters_per_tp_rank
-from experiments.points import CONF_DIR, expand, predicted_memory_bytes
+from experiments.points import expand, predicted_memory_bytes
 from zero_impl.grad_reducer import MAX_INFLIGHT_STAGING
 
 V100 = 32e9  # conf/cluster/dgx2_v100.yaml device_memory_gb, x 1e9 as the paper's Table 2
 
 
-def _points(experiment: str) -> dict:
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="sweep", overrides=[f"experiment={experiment}", "dry_run=true"])
+def _points(compose, experiment: str) -> dict:
+    cfg = compose(f"experiment={experiment}", "dry_run=true")
     return {(p.model["name"], p.stage, p.gpus, p.tp, p.micro_batch): p for p in expand(cfg)}
 
 
@@ -90,11 +86,11 @@ def test_engine_buffers():
 
 
 # -- verdicts for the paper's points -----------------------------------------------------------
-def test_fig2_100b_does_not_fit_without_partitioned_activations():
+def test_fig2_100b_does_not_fit_without_partitioned_activations(compose):
     """100B at MP 16 on 400 GPUs, micro-batch 32, stage 2, fp16: the activation checkpoints
     alone, 125 layers x 2·1024·32·8192 bytes = 67.1 GB, are twice a V100; ZeRO-R's Pa (the
     point runs Table 3's C4) keeps 1/16 of each, 4.2 GB, and the point fits."""
-    point = _points("fig2")[("fig2_100b", 2, 400, 16, 32)]
+    point = _points(compose, "fig2")[("fig2_100b", 2, 400, 16, 32)]
     assert point.train["recompute"] and point.dp == 25 and point.zero["partition_activations"]
     without = dataclasses.replace(point, zero=dict(point.zero, partition_activations=False))
     m = predicted_memory_bytes(without, "fp16")
@@ -110,9 +106,9 @@ def test_fig2_100b_does_not_fit_without_partitioned_activations():
     assert host["layers_kept"] == 0 and host["host_checkpoints"] == 125 * 2 * 1024 * 32 * 8192 / 16
 
 
-def test_fig2_small_point_fits():
+def test_fig2_small_point_fits(compose):
     """1.5B (48 x 1600, 16 heads), stage 2, 400 GPUs, MP 1, micro-batch 24, fp16."""
-    point = _points("fig2")[("fig2_1.5b", 2, 400, 1, 24)]
+    point = _points(compose, "fig2")[("fig2_1.5b", 2, 400, 1, 24)]
     s, b, h, a, l, v = 1024, 24, 1600, 16, 48, 50304
     sbh = s * b * h
     psi = parameter_count(point.shape)
@@ -126,13 +122,13 @@ def test_fig2_small_point_fits():
     assert m["total"] < 16e9 < V100
 
 
-def test_fig4_13b_without_mp_fits():
+def test_fig4_13b_without_mp_fits(compose):
     """Figure 4's largest ZeRO model: 13B (62 x 4096, 32 heads) on 128 GPUs, MP 1, stage 2,
     micro-batch 2, fp16: 26.8 GB of model states + 1.7 GB of activations (1.04 GB of
     checkpoints, one recomputed layer 0.62 GB > the loss's 0.62 GB) + the engine's buffers
     (0.98 GB with 4e7-element buckets; 3.4 GB with DeepSpeed's 5e8) = 29.5 GB (31.9 GB): fits a
     32 GB V100, as the paper trains it, but with little room."""
-    point = _points("fig4")[("fig4_13b", 2, 128, 1, 2)]
+    point = _points(compose, "fig4")[("fig4_13b", 2, 128, 1, 2)]
     s, b, h, a, l, v = 1024, 2, 4096, 32, 62, 50304
     sbh = s * b * h
     psi = parameter_count(point.shape)
@@ -146,8 +142,8 @@ def test_fig4_13b_without_mp_fits():
     assert m["total"] < V100
 
 
-def test_dry_run_prints_the_terms_and_the_verdicts(capsys):
-    points = _points("fig2")
+def test_dry_run_prints_the_terms_and_the_verdicts(compose, capsys):
+    points = _points(compose, "fig2")
     sweep.dry_run(list(points.values()))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| fig2_")}

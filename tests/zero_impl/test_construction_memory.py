@@ -14,6 +14,8 @@ import zero_impl
 from experiments.launch import spawn
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 SHAPE = TinyGPTConfig(vocab_size=1000, seq_len=32, hidden=96, layers=4, heads=4)
 BUCKET = 40_000  # elements: several buckets, none larger than the embedding (96k elements)
 

@@ -19,6 +19,8 @@ from helpers import adamw, global_batch, live_storages, lm_loss, param_groups
 from experiments.launch import spawn
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
+
 # Large enough that any engine buffer left behind (a gradient bucket, a stage-3 unit, a master
 # shard: tens of KB at least) stands far above the tolerance.
 WIDE = TinyGPTConfig(vocab_size=67, seq_len=16, hidden=48, layers=3, heads=2)

@@ -17,12 +17,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 import zero_impl
-from helpers import fp64_tolerance, gather_tp
+from zero_impl import checkpoint
+from helpers import fp64_tolerance, gather_tp, max_abs_diff
 from experiments.analysis.flops import model_flops_per_iteration
 from experiments.launch import spawn
 from experiments.models.megatron_gpt import (GPTShape, build_gpt, initialize_parallel, lm_inputs, narayanan_eq2,
                                     padded_vocab_size, parameter_count, parameters_per_tp_rank)
 from experiments.models.tiny_gpt import synthetic_tokens
+
+pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
 
 # vocab 256 is already a multiple of 128 x TP for TP <= 2, so every TP degree builds one model.
 SHAPE = GPTShape(layers=2, hidden=16, heads=4, seq_len=8, vocab_size=256)
@@ -31,7 +34,7 @@ STEPS, GLOBAL_BATCH, CLIP, LR = 6, 8, 1.08, 1e-3
 # then the vocabulary.
 TOL = fp64_tolerance(steps=STEPS, lr=LR, tokens=GLOBAL_BATCH * SHAPE.seq_len,
                      widest_sums=SHAPE.layers * 4 * SHAPE.hidden + SHAPE.vocab_size)
-PAPER = Path(__file__).resolve().parents[1] / "results" / "paper" / "appendix_configs_all.csv"
+PAPER = Path(__file__).resolve().parents[2] / "results" / "paper" / "appendix_configs_all.csv"
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -197,3 +200,44 @@ def test_flops_formula_matches_hand_count():
     # Without: 3x for the layers; the convention keeps the logit term V/(16lh), i.e. 2.25x.
     assert model_flops_per_iteration(batch=b, seq_len=s, layers=l, hidden=h, vocab=v, recompute=False) \
         == pytest.approx(3 * l * per_layer + 2.25 * logits)
+
+
+# -- checkpoints at tensor parallelism (zero_impl.checkpoint) -----------------------------------------------------------
+def _megatron(tp: int, stage: int, path: str, save_after: int | None, load: bool, steps: int) -> dict:
+    from megatron.core import parallel_state
+    from experiments.models.megatron_gpt import build_gpt, initialize_parallel
+    dp_group, tp_group = initialize_parallel(tp)
+    torch.manual_seed(0)
+    model = build_gpt(SHAPE).double()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, precision="fp64", clip_grad_norm=CLIP,
+                                                                reduce_bucket_size=700),
+                                  optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR),
+                                  dp_group=dp_group, mp_group=tp_group)
+    try:
+        start = checkpoint.load(engine, path)["step"] if load else 0
+    except ValueError as e:
+        return {"refused": str(e)}
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    for step in range(start, steps):
+        micro = 8 // dp
+        engine.backward(_fp64_loss(engine, _batch(step)[dp_rank * micro:(dp_rank + 1) * micro]))
+        engine.step()
+        if step + 1 == save_after:
+            checkpoint.save(engine, path, extra={"step": step + 1})
+    return {"params": gather_tp(model, engine.full_parameters(), tp_group)}
+
+
+def test_tp_checkpoint_reshards_dp_at_fixed_tp_and_refuses_another_tp(tmp_path):
+    """megatron GPT at TP 2 x DP 2, stage 2, saved after 3 of 6 steps: the export is the TP=1
+    model (TP shards concatenated along their partition dim); resumed at TP 2 x DP 1, stage 3,
+    the run ends at the reference's parameters; TP 1 is refused, naming a TP-split parameter."""
+    ref = reference()
+    path = str(tmp_path / "step_3")
+    saved = spawn(_megatron, 4, 2, 2, path, 3, False, 3, timeout=180)[0]["params"]
+    exported = checkpoint.export(path)
+    assert max_abs_diff({n: exported[n].double() for n in saved}, saved) == 0.0
+    resumed = spawn(_megatron, 2, 2, 3, path, None, True, 6, timeout=180)
+    assert all(max_abs_diff(r["params"], ref["params"]) < TOL for r in resumed)
+    [refused] = spawn(_megatron, 1, 1, 2, path, None, True, 6, timeout=180)
+    assert refused["refused"].startswith("checkpoint saved at TP 2, this engine runs TP 1: parameter ")
+    assert "is split 2 ways there, 1 here" in refused["refused"]

@@ -12,26 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 from experiments import sweep
 from experiments.points import CONF_DIR, ConfigError, expand
 from experiments.records import load_records, validate_record
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SWEEP = [sys.executable, str(REPO / "experiments" / "sweep.py")]
 QUICK = ["train.warmup_steps=1", "train.steps=2"]
 
 
 def run_sweep_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*SWEEP, *overrides], cwd=REPO, capture_output=True, text=True, timeout=timeout)
-
-
-def composed(*overrides: str):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="sweep", overrides=list(overrides))
 
 
 def test_default_sweep_end_to_end(tmp_path):
@@ -65,7 +57,7 @@ def test_default_sweep_end_to_end(tmp_path):
     assert done.stdout.count("| ok |") == 6
 
 
-def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+def test_failures_are_recorded_and_the_sweep_goes_on(compose, tmp_path, monkeypatch, capsys):
     """One point raises, one hangs past its timeout: both are recorded, the others still run."""
     real = sweep.train_rank
 
@@ -77,7 +69,7 @@ def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, caps
         return real(point, precision)
 
     monkeypatch.setattr(sweep, "train_rank", flaky)
-    cfg = composed("model=tiny_s", "gpus=[1,2]", "stage=[1,2]", f"results_dir={tmp_path}", "train.timeout_s=20", *QUICK)
+    cfg = compose("model=tiny_s", "gpus=[1,2]", "stage=[1,2]", f"results_dir={tmp_path}", "train.timeout_s=20", *QUICK)
     sweep.run_sweep(cfg)
     by_point = {(r["world_size"], r["stage"]): r for r in load_records(tmp_path, "cpu_default")}
     assert by_point[(1, 1)]["status"] == by_point[(1, 2)]["status"] == "ok"
@@ -159,8 +151,8 @@ def test_torchrun_launcher_runs_train_py(tmp_path):
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
-def test_every_experiment_composes_and_validates(experiment, capsys):
-    cfg = composed(f"experiment={experiment}", "dry_run=true")
+def test_every_experiment_composes_and_validates(compose, experiment, capsys):
+    cfg = compose(f"experiment={experiment}", "dry_run=true")
     points = expand(cfg)
     assert points and cfg.experiment.description
     sweep.run_sweep(cfg)
@@ -178,7 +170,7 @@ def test_dry_run_cli_lists_paper_points_with_predicted_memory():
     assert cells[1:4] == ["62", "4096", "32"] and cells[5] == "128" and cells[10:12] == ["2", "yes"]
     # Model states 2Ψ + 14Ψ/128 of 12.7B, activations of micro-batch 2 with recomputation (62
     # checkpoints of 2sbh + one recomputed layer + LayerNorm/output inputs), then the engine's
-    # buffers: together within a 32 GB V100 (tests/test_activation_memory.py has the sums). The
+    # buffers: together within a 32 GB V100 (tests/experiments/test_analysis_activations.py has the sums). The
     # step's temporaries: one 4e7-element chunk's fp32 gradients and square roots, 8 B each.
     assert cells[12] == "26.78 GB" and cells[13] == "1.70 GB" and cells[15] == "320.00 MB" and cells[17] == "yes"
     ddp = next(line for line in done.stdout.splitlines() if line.startswith("| fig4_1.38b-s0-g128"))
@@ -202,6 +194,6 @@ def test_paper_shapes_all_have_a_model_config():
     assert shapes <= configs
 
 
-def test_config_error_is_a_value_error():
+def test_config_error_is_a_value_error(compose):
     with pytest.raises(ConfigError, match="stage must be one of"):
-        expand(composed("stage=7"))
+        expand(compose("stage=7"))

@@ -17,7 +17,7 @@ from experiments.reports import tables
 from experiments.records import load_records, validate_record
 from experiments.report import build_tables, format_number, latex_escape, to_latex, write_reports
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures" / "records"
 
 
