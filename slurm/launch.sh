@@ -92,7 +92,11 @@ trap 'write_status timeout 143 "ended by Slurm (time limit or scancel)"; kill -T
 echo "job $JOB: $NODES node(s) x $PER_NODE ranks, rendezvous $HEAD:$PORT, records in $JOB_DIR"
 echo "overrides: $*"
 write_status running - "started on $NODES node(s) x $PER_NODE"
+# Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task (only SRUN_CPUS_PER_TASK):
+# without it each torchrun, its ranks and NCCL's proxy threads share one core. Unset (sbatch
+# was given no --cpus-per-task): srun's default, as before.
 srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"} \
     "$PYTHON" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node="$PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$JOB" \
     "$REPO/experiments/train.py" "results_dir=$JOB_DIR" "$@" &
