@@ -261,12 +261,17 @@ def check_runnable_here(points: list[Point]) -> None:
 
 
 def resolve_precision(precision: str) -> str:
-    """'auto': fp32 on CPU, bf16 on GPUs that support it, fp16 on older ones (V100)."""
+    """'auto': fp32 on CPU; on CUDA, bf16 where the current device computes it natively
+    (compute capability >= 8.0: A100, H100), fp16 below (V100 is 7.0). Not
+    torch.cuda.is_bf16_supported(): it says True on sm_70, where bf16 is emulated, and creates a
+    tensor on the current device to find out. Call it after torch.cuda.set_device(local rank):
+    it asks the current device."""
     if precision != "auto":
         return precision
     if not torch.cuda.is_available():
         return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    major, _ = torch.cuda.get_device_capability(torch.cuda.current_device())
+    return "bf16" if major >= 8 else "fp16"
 
 
 def predicted_model_state_bytes(point: Point, precision: str) -> dict[str, float]:
