@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.reports import figures, tables, zero_r
+from experiments.reports import figures, scorecard, tables, zero_r
 from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError
@@ -38,6 +38,7 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
              "largest": tables.largest_table(records)}
     if zero_r.fig7_records(records):  # Figure 7's tables where its points were simulated
         built.update(fig7_memory=zero_r.fig7_table(records), fig7_statements=zero_r.fig7_statements(records))
+    built["scorecard"] = scorecard.scorecard(records)  # the README's, from the tables above
     return built
 
 

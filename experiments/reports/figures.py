@@ -112,31 +112,80 @@ def scaling(records: list[dict], paper: pd.DataFrame | None = None) -> Figure:
     return fig
 
 
-def largest_model(records: list[dict], paper: pd.DataFrame | None = None) -> Figure:
-    """Figure 4 style: the largest model each stage trained (ok records), and its throughput."""
-    paper = paper_throughput() if paper is None else paper
-    fig, (ours, theirs) = _two_panels(f"Largest model trained, and its throughput ({FLOPS_NOTE})", records)
+def largest_model(records: list[dict]) -> Figure:
+    """Figure 4 and Table 2: the largest model each stage fits, simulated at the paper's world size
+    (the searches of simulate_largest=true) beside the paper's number in the same panel."""
+    from .tables import largest_table
+    largest = largest_table(records)
+    fig, (fig4, t2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 3]})
+    fig.suptitle("Largest model that fits a 32 GB V100: the paper beside SIMULATED maxima at the paper's world size\n"
+                 "(one rank on fake tensors, peak + 1 GB CUDA reserve <= 32 GB; fragmentation, NCCL buffers and "
+                 "kernel workspaces not seen)", fontsize=9)
+    rows = largest[largest.experiment == "fig4"]
+    stages = [s for s in ("baseline DP", "Pos+g") if s in set(rows.stage)]
+    for i, stage in enumerate(stages):
+        row = rows[rows.stage == stage].iloc[0]
+        for dx, value, style, label in ((-0.2, _billions(row.paper), {"color": "none", "hatch": "//"}, "paper"),
+                                        (0.2, row.simulated_max_B, {}, "simulated")):
+            bar = fig4.bar(i + dx, value, 0.4, edgecolor=STAGE_COLORS[stage], color=style.get("color", STAGE_COLORS[stage]),
+                           hatch=style.get("hatch"), label=f"{label}" if i == 0 else None)
+            fig4.annotate(f"{value:.3g}B", (i + dx, bar[0].get_height()), ha="center", va="bottom", fontsize=8)
+    if stages:
+        fig4.set_xticks(range(len(stages)), [f"{s}\nmicro-batch {rows[rows.stage == s].micro_batch.iloc[0]}"
+                                              for s in stages])
+        fig4.legend(fontsize=8)
+    else:
+        _empty(fig4, "no simulated searches of experiment=fig4 (simulate_largest=true)")
+    fig4.set(ylabel="parameters (B)", title="Figure 4: 128 V100, no model parallelism")
+    rows = largest[largest.experiment == "table2"]
+    for stage, step in (("baseline DP", "whole"), ("Pos", "chunked")):
+        sel = rows[(rows.stage == stage) & (rows.optimizer_step == step)].sort_values("mp")
+        if len(sel):
+            color = STAGE_COLORS[stage]
+            t2.plot(sel.mp, sel.simulated_max_B, "o-", color=color, label=f"{stage}, simulated")
+            t2.plot(sel.mp, [_billions(p) for p in sel.paper], "s--", mfc="none", color=color,
+                    label=f"{stage}, paper (measured)")
+    if len(rows):
+        t2.set_xscale("log", base=2)
+        t2.set_yscale("log")
+        t2.set_xticks([1, 2, 4, 8, 16], ["1", "2", "4", "8", "16"])
+        t2.minorticks_off()
+        t2.legend(fontsize=8)
+    else:
+        _empty(t2, "no simulated searches of experiment=table2 (simulate_largest=true)")
+    t2.set(xlabel="MP degree (GPUs = 64 x MP)", ylabel="parameters (B)", title="Table 2: Nd = 64, micro-batch 1; baseline with a whole-model optimizer step")
+    for ax in (fig4, t2):
+        ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def _billions(printed: str) -> float:
+    """The paper's size in a largest-table cell ("13B (Sec 10.4)", "1.3B") in billions."""
+    return float(printed.split("B")[0])
+
+
+def largest_model_cpu(records: list[dict]) -> Figure:
+    """The CPU grid: the largest model each stage trained on this machine's ranks, and its
+    throughput. Every stage trains the grid's largest model: the bars show the grid, not a limit."""
     ok = _ok(records)
-    best = {}
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    fig.suptitle(f"CPU grid: the largest model of the grid each stage trained, and its throughput\n"
+                 f"measured on: {hardware_label(ok)}; bounded by the grid's models, not by memory", fontsize=9)
+    best: dict[int, dict] = {}
     for r in ok:
         if r["params"] > best.get(r["stage"], {"params": -1})["params"]:
             best[r["stage"]] = r
     names = [STAGE_NAMES[s] for s in sorted(best)]
     unit, letter = _scale([r["params"] for r in best.values()])
-    sizes = [best[s]["params"] / unit for s in sorted(best)]
-    bars = ours.bar(names, sizes, color=[STAGE_COLORS[n] for n in names])
+    bars = ax.bar(names, [best[s]["params"] / unit for s in sorted(best)], color=[STAGE_COLORS[n] for n in names])
     for bar, s in zip(bars, sorted(best)):
-        ours.annotate(f"{best[s]['tflops_per_gpu']:.3g} TFLOPs/GPU", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                      ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{best[s]['model']['name']}, {best[s]['world_size']} rank{'s' * (best[s]['world_size'] > 1)}\n"
+                    f"{best[s]['tflops_per_gpu']:.3g} TFLOPs/rank",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
     if not ok:
-        _empty(ours, "no ok records selected")
-    ours.set(ylabel=f"parameters ({letter})", title="this suite")
-    for series, color in (("ZeRO", "tab:orange"), ("Baseline (DDP)", "tab:gray")):
-        p = paper[(paper.experiment == "fig4") & (paper.series == series)]
-        theirs.bar(p.x, p.paper_tflops_per_gpu, color=color, label=f"paper {series} (APPROX)")
-    theirs.set(ylabel="TFLOPs / GPU", title="paper, Figure 4: 128 V100, no MP (read from a figure)")
-    theirs.tick_params(axis="x", labelsize=7)
-    theirs.legend(fontsize=8)
+        _empty(ax, "no ok records measured on hardware")
+    ax.set(ylabel=f"parameters ({letter})", ylim=(0, max((b.get_height() for b in bars), default=1) * 1.25))
+    ax.grid(alpha=0.3, axis="y")
     return fig
 
 
@@ -411,6 +460,6 @@ def _zero_r_label(record: dict) -> str:
 
 
 FIGURES = {"throughput_vs_size": throughput_vs_size, "scaling": scaling, "largest_model": largest_model,
-           "memory_bars": memory_bars, "communication": communication, "fig2_predicted": fig2_predicted,
-           "fig3_predicted": fig3_predicted, "fig4_predicted": fig4_predicted, "fig8_predicted": fig8_predicted,
+           "largest_model_cpu": largest_model_cpu, "memory_bars": memory_bars, "communication": communication,
+           "fig2_predicted": fig2_predicted, "fig3_predicted": fig3_predicted, "fig4_predicted": fig4_predicted, "fig8_predicted": fig8_predicted,
            "simulated_memory": simulated_memory}

@@ -237,14 +237,17 @@ def _ckpt_gb(b: int, s: int, h: int, layers: int, e: int = 2) -> float:
 
 
 def _comm_measured(records: list[dict], simulated: bool) -> dict[int, list[float]]:
-    """Elements per step / Ψ by stage, from ok records with DP > 1 (measured on CPU, or simulated)."""
+    """The engine's data-parallel elements per step / Ψ by stage, from ok records with DP > 1
+    (measured on CPU, or simulated); ZeRO-R's Pa all-gathers, over the MP group, are not Section
+    7's volume and stay out (records without the split have none)."""
     out: dict[int, list[float]] = {}
     for r in records:
         if r.get("status") != "ok" or r.get("dp", 1) <= 1 or not r.get("params_per_gpu"):
             continue
         if (r.get("measured_by") == "simulated") != simulated:
             continue
-        out.setdefault(r["stage"], []).append(r["comm"]["elements_per_step"] / r["params_per_gpu"])
+        comm = r["comm"]
+        out.setdefault(r["stage"], []).append(comm.get("dp_elements_per_step", comm["elements_per_step"]) / r["params_per_gpu"])
     return out
 
 
@@ -262,10 +265,31 @@ def _simulated_status(records: list[dict], experiment: str, model: str, stage: i
     return f"{'fits' if r['status'] == 'ok' else r['status']}" + (f" (peak {peak / 1e9:.1f} GB)" if peak else "")
 
 
+def _fig6_searched(records: list[dict]) -> tuple[str, str, str]:
+    """Figure 6's largest model per configuration, from the simulated searches of experiment=fig6."""
+    found = {rec.get("zero_r_config"): rec["largest_search"] for rec in records
+             if rec.get("measured_by") == "simulated" and (rec.get("largest_search") or {}).get("experiment") == "fig6"}
+    if not all(c in found for c in ("C1", "C2", "C4", "C5")):
+        return ("-", "not checked", "simulate it: experiments/sweep.py experiment=fig6 simulate=true simulate_largest=true")
+    sizes = " / ".join(f"{found[c]['simulated_max_params'] / 1e9:.1f}B" for c in ("C1", "C2", "C4", "C5"))
+    return (sizes, "simulated", "largest model of each row's family whose simulated peak fits 32 GB less the CUDA "
+            "reserve, MP 16 on 400 GPUs (largest.md, experiment fig6)")
+
+
+def _fig7_simulated(records: list[dict]) -> tuple[str, str, str]:
+    """Figure 7's models: which of them were simulated per configuration (experiment=fig7)."""
+    models = sorted({r["model"]["name"] for r in records if r.get("experiment") == "fig7"
+                     and r.get("measured_by") == "simulated" and r.get("status") == "ok"})
+    if not models:
+        return ("-", "not checked", "simulate it: experiments/sweep.py experiment=fig7 simulate=true")
+    return (f"simulated peaks of {', '.join(models)} per configuration", "simulated",
+            "allocated bytes, not PyTorch's cached memory (fig7_memory.md; the stated relations: fig7_statements.md)")
+
+
 def paper_claims(records: list[dict] | None = None) -> pd.DataFrame:
     """Every claim of results/paper/text_claims.csv with ours beside it, and how ours was obtained:
     formula (the suite's analytic models), measured (CPU) (records of this suite's runs),
-    simulated (records of experiments/simulate.py), predicted (the step-time model), config
+    simulated (records of simulate=true runs), predicted (the step-time model), config
     (the cluster config), or not checked (and why)."""
     records = records or []
     rows = predicted_rows(records)
@@ -317,7 +341,7 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
     def comm(stage: int, theory: int) -> tuple[str, str, str]:
         if simulated.get(stage):
             return (f"{_fmt_range(simulated[stage])}Ψ per step (stage {stage})", "simulated",
-                    "engine counts at full world size, records of experiments/simulate.py; formula "
+                    "engine counts at full world size (simulate=true records), data-parallel traffic; formula "
                     f"{theory}Ψ")
         if measured.get(stage):
             return (f"{_fmt_range(measured[stage])}Ψ per step (stage {stage})", "measured (CPU)",
@@ -327,6 +351,7 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
     sim13 = _simulated_status(records, "fig4", "fig4_13b", 2)
     sim138 = _simulated_status(records, "fig4", "fig4_1.38b", 0)
     sim170 = _simulated_status(records, "fig8", "fig2_170b", 2) or _simulated_status(records, "fig2", "fig2_170b", 2)
+    fig6, fig7 = _fig6_searched(records), _fig7_simulated(records)
     ckpt100 = _ckpt_gb(32, s, 8192, 125)
     ckpt170 = _ckpt_gb(12, s, 8192, 212) / 16
     states170 = posg(171.168e9 / 16, 25) / gb
@@ -412,9 +437,9 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
         "S10-10": (f"{ddp138['predicted']:.1f} TFLOPs/GPU (1.38B DDP, batch 1)", "predicted",
                    "Figure 4's DDP baseline: " + ("the all-reduce outlasts a batch-1 backward" if ddp138["dp_comm_s"] > 0
                                                   else "the all-reduce hides under even a batch-1 backward")),
-        "S10-11": ("-", "not checked", "needs a memory model of ZeRO-R's CB/MD/Pa (not implemented)"),
+        "S10-11": fig6,
         "S10-12": ("16x", "formula", "Pa divides each checkpoint over the 16 MP ranks"),
-        "S10-13": ("-", "not checked", "no quantity"),
+        "S10-13": fig7,
         "S10-14": ("see S10-4", "formula" if not sim170 else "simulated", "model states + Pa checkpoints at 170B"),
         "S10-15": (f"C5 / C4 = {c5['predicted'] / c4['predicted']:.3f}", "predicted",
                    "60B, 128 GPUs, batch 32: Pa+cpu's PCIe copies"),
