@@ -8,6 +8,7 @@ is one line naming the point and the key.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import json
 import re
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
 from experiments.analysis.memory import model_state_bytes, optimizer_step_bytes
-from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameters_per_tp_rank
+from experiments.models.megatron_gpt import LAYER_SPECS, GPTShape, padded_vocab_size, parameters_per_tp_rank
 
 from .schema import ModelConfig, TrainSettings, ZeroSettings
 
@@ -41,6 +42,7 @@ LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
                        "contiguous_memory_optimization": False, "number_checkpoints": None,
                        "optimizer_bucket_size": None}
+LATER_TRAIN_DEFAULTS = {"layer_spec": "local"}  # train.* likewise
 
 
 class ConfigError(ValueError):
@@ -97,7 +99,8 @@ class Point:
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
         settings["zero"] = {k: v for k, v in self.zero.items()
                             if k not in LATER_KNOB_DEFAULTS or v != LATER_KNOB_DEFAULTS[k]}
-        settings["train"] = {k: v for k, v in self.train.items() if k not in NOT_HASHED}
+        settings["train"] = {k: v for k, v in self.train.items() if k not in NOT_HASHED
+                             and (k not in LATER_TRAIN_DEFAULTS or v != LATER_TRAIN_DEFAULTS[k])}
         if settings["train"]["precision"] == "auto":  # auto means fp32 on CPU, half precision on GPUs
             settings["train"]["precision"] = "auto-gpu" if torch.cuda.is_available() else "auto-cpu"
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
@@ -230,6 +233,11 @@ def _check_train(train: DictConfig) -> dict:
     t = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(TrainSettings), train))
     if t["precision"] not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {list(PRECISIONS)}, got {t['precision']!r}")
+    if t["layer_spec"] not in LAYER_SPECS:
+        raise ConfigError(f"train.layer_spec must be one of {list(LAYER_SPECS)}, got {t['layer_spec']!r}")
+    if t["layer_spec"] == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("train.layer_spec=transformer_engine needs Transformer Engine, which is not installed here "
+                          "(NGC PyTorch images have it); the default, local, is megatron's own layers")
     if t["fault"] not in FAULTS:
         raise ConfigError(f"train.fault must be one of {list(FAULTS)}, got {t['fault']!r}")
     for key in ("grad_accum_steps", "steps"):

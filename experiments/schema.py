@@ -85,6 +85,7 @@ class TrainSettings:
     checkpoint_every: int = 0     # save a checkpoint every N steps (0: only when the launcher asks to stop)
     resume: bool = False          # start from the latest complete checkpoint under checkpoint_dir, if any
     checkpoint_dir: str = ""      # "": <results_dir>/<experiment>/checkpoints/<point_id>
+    layer_spec: str = "local"     # megatron's own layers (local) or Transformer Engine's fused ones (transformer_engine)
 
 
 @dataclass
@@ -142,10 +143,10 @@ class SweepConfig:
     force: bool = False
     results_dir: str = "results/runs"
     launcher: str = "auto"    # auto | fork | spawn | torchrun: how local ranks are started
-    simulate: bool = False    # play one rank of each point's full world on fake tensors (experiments/simulate.py)
+    simulate: bool = False    # play one rank of each point's full world on fake tensors (experiments/run/fake.py)
     simulate_rank: int = 0    # the rank simulate=true plays
     simulate_workers: int = 0  # points simulated at once (0: the CPU count)
-    simulate_largest: bool = False  # with simulate: search each row's model family for the most layers that fit (experiments/largest.py)
+    simulate_largest: bool = False  # with simulate: search each row's model family for the most layers that fit (experiments/sweeps/largest.py)
 
 
 @dataclass

@@ -58,6 +58,7 @@ VOCAB_SIZE = 50257          # GPT-2's BPE vocabulary, as in the paper's runs
 VOCAB_MULTIPLE = 128        # Megatron's --make-vocab-size-divisible-by default, times TP
 INIT_STD = 0.02
 INIT_SEED = 1234            # the default seed of the weights (initialize_parallel's default too)
+LAYER_SPECS = ("local", "transformer_engine")  # train.layer_spec
 
 
 @dataclass(frozen=True)
@@ -124,15 +125,16 @@ def initialize_parallel(tp: int, seed: int = 1234) -> tuple[dist.ProcessGroup, d
 
 
 def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED,
-              dtype: torch.dtype = torch.float32) -> GPTModel:
+              dtype: torch.dtype = torch.float32, layer_spec: str = "local") -> GPTModel:
     """megatron-core GPTModel of `shape` for the current TP degree, no dropout.
 
     dtype: megatron's params_dtype, the dtype its linear layers and embeddings are built in;
     build in the training dtype so the model never exists in fp32 at full size (its LayerNorms
     stay fp32 and are cast by the engine). Each weight is still drawn in fp32 and rounded.
+    In fp16/bf16 megatron's softmax upcasts the attention scores to fp32 (its fp16/bf16 flags).
     recompute: activation recomputation with one checkpoint per layer, as the paper trains.
     seed: the weights' seed; each parameter is drawn from (seed, its name) (module docstring).
-    Uses the Transformer Engine layer spec on GPU when it is installed, the local spec otherwise.
+    layer_spec: one of LAYER_SPECS (`gpt_layer_spec`).
     Built under `torch.device("meta")`, no memory is allocated and nothing is drawn (for
     counting, or for stage 3's unit-by-unit materialization with `megatron_param_init_fn`).
     """
@@ -148,7 +150,7 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
     for k in _INIT_METHODS:
         setattr(config, k, _skip_init)
     try:
-        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(),
+        model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(layer_spec),
                          vocab_size=padded_vocab_size(shape.vocab_size, tp), max_sequence_length=shape.seq_len,
                          position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
     finally:
@@ -166,8 +168,10 @@ def _skip_init(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.dtype) -> TransformerConfig:
-    return TransformerConfig(params_dtype=dtype,
-        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+    # fp16/bf16 as Megatron trains: its softmax then runs on scores upcast to fp32
+    # (attention_softmax_in_fp32), and returns probabilities in the training dtype
+    return TransformerConfig(params_dtype=dtype, fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
+        attention_softmax_in_fp32=True, num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, init_method_std=INIT_STD,
         hidden_dropout=0.0, attention_dropout=0.0,
         recompute_granularity="full" if recompute else None,
@@ -175,15 +179,20 @@ def _transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.
         recompute_num_layers=1 if recompute else None)
 
 
-def _layer_spec():
-    if torch.cuda.is_available():
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-            import transformer_engine  # noqa: F401
-            return get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
-    return get_gpt_layer_local_spec()
+def gpt_layer_spec(name: str = "local"):
+    """megatron-core's transformer layer spec `name`, one of LAYER_SPECS: "local" is megatron's
+    own modules, the model every CPU test checks; "transformer_engine" is TE's fused modules, as
+    in NGC images, only when asked for (never because TE happens to be importable)."""
+    if name == "local":
+        return get_gpt_layer_local_spec()
+    if name != "transformer_engine":
+        raise ValueError(f"layer_spec must be one of {list(LAYER_SPECS)}, got {name!r}")
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except ImportError as e:
+        raise ValueError(f"layer_spec transformer_engine: Transformer Engine does not import here ({e})") from None
+    return get_gpt_layer_with_transformer_engine_spec()
 
 
 # -- initialization by parameter role ----------------------------------------------------------
