@@ -74,8 +74,7 @@ def test_report_writes_every_table_and_figure(records, tmp_path):
                   "paper_claims", "simulation", "largest", "scorecard"):
         assert {f"{table}.md", f"{table}.csv", f"{table}.tex"} <= written
     for figure in ("throughput_vs_size", "scaling", "largest_model", "largest_model_cpu", "memory_bars", "communication",
-                   "fig2_predicted",
-                   "fig3_predicted", "fig4_predicted", "fig8_predicted", "simulated_memory"):
+                   "fig2_predicted", "fig3_predicted", "fig4_predicted", "fig8_predicted", "simulated_memory"):
         assert {f"{figure}.png", f"{figure}.svg"} <= written
         pixels = matplotlib.image.imread(tmp_path / f"{figure}.png")
         assert pixels.std() > 0.05, f"{figure}.png looks blank"
