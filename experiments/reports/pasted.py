@@ -1,0 +1,77 @@
+"""Tables pasted from generated reports into the README and docs/, kept equal to their files.
+
+A block names its source file, optionally the columns to keep and the rows to keep:
+
+    <!-- generated: results/reference/reports/fig6/largest.md columns=zero_r,family,simulated_max_B where=stage:Pos -->
+    | zero_r | family | simulated_max_B |
+    ...
+    <!-- end generated -->
+
+`python -m experiments.reports.pasted` rewrites every block's body from its file (after
+`make reference` or report.py changed one); tests/experiments/test_docs.py fails while a pasted
+copy differs from what this would write, so no number quoted in a block can age.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from experiments.records import REPO
+
+BLOCK = re.compile(r"(<!-- generated: (?P<path>\S+)(?P<options>(?: \w+=\S+)*) -->\n)(?P<body>.*?)(<!-- end generated -->)",
+                   re.S)
+DOCUMENTS = ("README.md", "docs/*.md")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def render(path: str, options: str = "") -> str:
+    """The body a block pastes: the file itself, or a Markdown table's chosen columns and rows
+    (columns=a,b,c in that order; where=column:value, repeatable, keeps the rows that match)."""
+    text = (REPO / path).read_text()
+    opts = [o.split("=", 1) for o in options.split()]
+    if not opts:
+        return text
+    header, _, *rows = text.rstrip("\n").split("\n")
+    names = _cells(header)
+    table = [dict(zip(names, _cells(row))) for row in rows]
+    keep = names
+    for key, value in opts:
+        if key == "columns":
+            keep = value.split(",")
+            unknown = [c for c in keep if c not in names]
+            if unknown:
+                raise ValueError(f"{path} has no column {unknown[0]!r} (columns: {', '.join(names)})")
+        elif key == "where":
+            column, wanted = value.split(":", 1)
+            table = [row for row in table if row.get(column) == wanted]
+        else:
+            raise ValueError(f"unknown option {key!r} of a generated block from {path} (columns=, where=)")
+    lines = ["| " + " | ".join(keep) + " |", "|" + "---|" * len(keep)]
+    lines += ["| " + " | ".join(row[c] for c in keep) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def refresh(text: str) -> str:
+    """`text` with every generated block's body rendered again from its file."""
+    return BLOCK.sub(lambda m: m.group(1) + render(m["path"], m["options"]) + m.group(5), text)
+
+
+def documents() -> list[Path]:
+    return sorted(p for pattern in DOCUMENTS for p in REPO.glob(pattern))
+
+
+def main() -> int:
+    for path in documents():
+        text = path.read_text()
+        if (new := refresh(text)) != text:
+            path.write_text(new)
+            print(f"refreshed {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
