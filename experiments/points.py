@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
+from experiments.analysis.step_time import Hardware, inputs_from_point, predict
 from experiments.analysis.memory import model_state_bytes, optimizer_step_bytes
 from experiments.models.megatron_gpt import LAYER_SPECS, GPTShape, padded_vocab_size, parameters_per_tp_rank
 
@@ -31,7 +32,7 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 AXES = ("model", "stage", "gpus", "tp", "micro_batch")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 FAULTS = ("none", "raise", "hang", "slow")
-NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir")  # train.* that leave results alone
+NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir", "stop_signal_lead_s")  # train.* that leave results alone
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 
 
@@ -165,6 +166,8 @@ def expand(cfg: DictConfig) -> list[Point]:
             raise ConfigError(f"point ({point.describe()}): {e}") from None
         if point.gpus % point.tp:
             raise ConfigError(f"point ({point.describe()}): GPU count {point.gpus} is not divisible by TP {point.tp}")
+        if not (cfg.get("simulate") or cfg.get("dry_run")):  # those save nothing
+            check_checkpoint_fits(point)
         if point.point_id not in seen:
             seen.add(point.point_id)
             points.append(point)
@@ -249,6 +252,8 @@ def _check_train(train: DictConfig) -> dict:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {t['warmup_steps']!r}")
     if not t["timeout_s"] > 0:
         raise ConfigError(f"train.timeout_s must be > 0, got {t['timeout_s']!r}")
+    if t["stop_signal_lead_s"] < 1:
+        raise ConfigError(f"train.stop_signal_lead_s must be a positive number of seconds, got {t['stop_signal_lead_s']!r}")
     return t
 
 
@@ -266,6 +271,52 @@ def check_runnable_here(points: list[Point]) -> None:
         if point.gpus > count:
             raise ConfigError(f"point ({point.describe()}) needs {point.gpus} devices; this machine offers {what}. "
                               "List it with dry_run=true, or run it through a SLURM launcher")
+
+
+# zero_impl.checkpoint writes each trainable parameter's fp32 master and Adam's two fp32 moments
+# (the model-precision parameter is the master's rounding: not written)
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def checkpoint_bytes_per_rank(point: Point) -> float:
+    """Bytes one rank writes per checkpoint: 1/DP of its TP slice's masters and moments. DCP
+    writes each piece once and spreads replicated pieces (stage 0's masters, the TP-duplicated
+    LayerNorms) over the ranks that hold them, so it is 1/DP at every stage."""
+    return CHECKPOINT_BYTES_PER_PARAM * parameters_per_tp_rank(point.shape, point.tp) / point.dp
+
+
+def checkpoint_seconds(point: Point) -> float | None:
+    """One checkpoint's write time: the bytes of a node's ranks / cluster.checkpoint_write_gb_per_s
+    (what one node writes while all do); None where the bandwidth is unknown."""
+    gb_per_s = point.cluster.get("checkpoint_write_gb_per_s")
+    if gb_per_s is None:
+        return None
+    ranks_per_node = min(point.gpus, point.cluster.get("gpus_per_node") or point.gpus)
+    return checkpoint_bytes_per_rank(point) * ranks_per_node / (gb_per_s * 1e9)
+
+
+def check_checkpoint_fits(point: Point) -> None:
+    """Under Slurm the ranks see the USR1 warning (train.stop_signal_lead_s before the time
+    limit) after their current step, then save: a step and a save must fit in the warning; with
+    train.checkpoint_every a periodic save may be under way when it comes, so two saves and a
+    step. The step is the step-time model's (analysis/step_time.py), where the cluster has its
+    constants. Unknown bandwidth: nothing to check."""
+    save = checkpoint_seconds(point)
+    if save is None:
+        return
+    hardware = Hardware.from_cluster(point.cluster)
+    step = predict(inputs_from_point(point), hardware).step_s if hardware else 0.0
+    saves = 2 if point.train["checkpoint_every"] else 1
+    lead = point.train["stop_signal_lead_s"]
+    if step + saves * save > lead:
+        per_node = min(point.gpus, point.cluster.get("gpus_per_node") or point.gpus)
+        raise ConfigError(
+            f"point ({point.describe()}): a checkpoint of {checkpoint_bytes_per_rank(point) / 1e9:.1f} GB per rank x "
+            f"{per_node} ranks per node at cluster.checkpoint_write_gb_per_s={point.cluster['checkpoint_write_gb_per_s']:g} "
+            f"takes {save:.0f} s; {saves} save(s) + a step ({step:.0f} s) = {step + saves * save:.0f} s do not fit in "
+            f"train.stop_signal_lead_s={lead} (Slurm's --signal=B:USR1@{lead} in slurm/run_*.sh)"
+            + ("; train.checkpoint_every adds a save in progress" if saves == 2 else "")
+            + ": raise both lead times, or give the file system's real bandwidth")
 
 
 def resolve_precision(precision: str) -> str:

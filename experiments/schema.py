@@ -44,6 +44,9 @@ class ClusterConfig:
     hbm_gb_per_s: Optional[float] = None         # device memory bandwidth
     intra_node_gb_per_s: Optional[float] = None  # per GPU, per direction (NVLink / NVSwitch)
     pcie_gb_per_s: Optional[float] = None        # host <-> device per GPU, per direction, achievable
+    # what one node writes to the checkpoint file system while every node of the job writes
+    # (GB/s): an assumption per cluster (conf/cluster/*.yaml says whose); None: not checked
+    checkpoint_write_gb_per_s: Optional[float] = None
     description: str = ""
 
 
@@ -86,6 +89,9 @@ class TrainSettings:
     resume: bool = False          # start from the latest complete checkpoint under checkpoint_dir, if any
     checkpoint_dir: str = ""      # "": <results_dir>/<experiment>/checkpoints/<point_id>
     layer_spec: str = "local"     # megatron's own layers (local) or Transformer Engine's fused ones (transformer_engine)
+    # Slurm's warning before the time limit, in which the ranks finish a step and checkpoint:
+    # #SBATCH --signal=B:USR1@<this> in slurm/run_*.sh (a test checks they agree)
+    stop_signal_lead_s: int = 600
 
 
 @dataclass
