@@ -1,6 +1,6 @@
 """Tables pasted from generated reports into the README and docs/, kept equal to their files.
 
-A block names its source file, optionally the columns to keep and the rows to keep:
+A block names its source file, optionally the columns to keep, the rows to keep and their order:
 
     <!-- generated: results/reference/reports/fig6/largest.md columns=zero_r,family,simulated_max_B where=stage:Pos -->
     | zero_r | family | simulated_max_B |
@@ -28,9 +28,18 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
+def _order(cell: str) -> tuple:
+    """Numbers before text, numbers by value: 2 before 16."""
+    try:
+        return (0, float(cell), "")
+    except ValueError:
+        return (1, 0.0, cell)
+
+
 def render(path: str, options: str = "") -> str:
     """The body a block pastes: the file itself, or a Markdown table's chosen columns and rows
-    (columns=a,b,c in that order; where=column:value, repeatable, keeps the rows that match)."""
+    (columns=a,b,c in that order; where=column:value, repeatable, keeps the rows that match;
+    sort=a,b orders the rows by those columns)."""
     text = (REPO / path).read_text()
     opts = [o.split("=", 1) for o in options.split()]
     if not opts:
@@ -48,8 +57,10 @@ def render(path: str, options: str = "") -> str:
         elif key == "where":
             column, wanted = value.split(":", 1)
             table = [row for row in table if row.get(column) == wanted]
+        elif key == "sort":
+            table.sort(key=lambda row: [_order(row[c]) for c in value.split(",")])
         else:
-            raise ValueError(f"unknown option {key!r} of a generated block from {path} (columns=, where=)")
+            raise ValueError(f"unknown option {key!r} of a generated block from {path} (columns=, where=, sort=)")
     lines = ["| " + " | ".join(keep) + " |", "|" + "---|" * len(keep)]
     lines += ["| " + " | ".join(row[c] for c in keep) + " |" for row in table]
     return "\n".join(lines) + "\n"
