@@ -35,7 +35,7 @@ bench: $(STAMP)
 
 # The CUDA path end to end on one GPU (at most 8 minutes); without a GPU, one line and exit 0.
 gpu-check: $(STAMP)
-	$(BIN)/python experiments/gpu_check.py
+	$(BIN)/python -m experiments.gpu_check
 
 # Regenerate the committed simulated reference set (the paper's points at their true world size,
 # one rank on fake tensors; about 10 minutes on 2 cores) and its reports.

@@ -1,4 +1,6 @@
-"""Run a function on N local ranks with torch.distributed initialized (gloo on CPU, NCCL on GPUs).
+"""Local processes: a function on N ranks with torch.distributed initialized (`spawn`: gloo on
+CPU, NCCL on GPUs), and independent jobs in child processes of their own, a few at a time, each
+under a timeout (`ChildPool`: the simulated points and the largest-model search).
 
 The `fork` start method lets a test or a benchmark pass closures and already-built models to
 the ranks and skips re-importing torch and megatron-core in each of them (0.3 s per launch
@@ -6,14 +8,16 @@ instead of 9 s); `spawn` is available for code that must not inherit the parent'
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
-import signal
 import queue as queue_lib
+import signal
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.distributed as dist
@@ -76,7 +80,7 @@ def _collect(procs, results, world_size: int, timeout: float | None) -> list[Any
 
 def _rank_main(rank: int, world_size: int, init: str, backend: str, threads: int,
                fn: Callable[..., Any], args: tuple, results) -> None:
-    _die_with_parent()
+    die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
@@ -94,7 +98,7 @@ def _rank_main(rank: int, world_size: int, init: str, backend: str, threads: int
             dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: have the kernel kill this rank if the launching process dies (a killed sweep must
     not leave ranks behind, blocked in a collective forever)."""
     try:
@@ -103,3 +107,83 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+# -- independent jobs in child processes ---------------------------------------------------------
+@dataclass
+class _Child:
+    key: Hashable
+    proc: Any
+    conn: Any
+    timeout: float
+    started: float = field(default_factory=time.monotonic)
+
+
+class ChildPool:
+    """Jobs `fn(*args)` in forked children, each a process of its own (a fake process group must
+    be its process's only one), at most `workers` at once, each under its own timeout.
+
+    `submit` starts a job; `finished()` waits a moment and returns the jobs that ended since, as
+    (key, ok, payload): payload is fn's result, or why it failed (the child's traceback, its
+    death, its timeout: "<what> timed out after N s", "<what> process died with exit code C")."""
+
+    def __init__(self, workers: int | None = None, what: str = "job") -> None:
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.what, self.running = what, []
+        self._ctx = multiprocessing.get_context("fork")
+
+    @property
+    def free(self) -> bool:
+        return len(self.running) < self.workers
+
+    def submit(self, key: Hashable, timeout: float, fn: Callable[..., Any], *args: Any) -> None:
+        parent, child = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=_child_main, args=(child, fn, args), daemon=True)
+        proc.start()
+        child.close()
+        self.running.append(_Child(key, proc, parent, timeout))
+
+    def finished(self) -> list[tuple[Hashable, bool, Any]]:
+        time.sleep(0.05)
+        out = []
+        for job in list(self.running):
+            if job.conn.poll():
+                try:
+                    ok, payload = pickle.loads(job.conn.recv_bytes())
+                except EOFError:
+                    ok, payload = False, f"{self.what} process died with exit code {job.proc.exitcode}"
+            elif not job.proc.is_alive():
+                ok, payload = False, f"{self.what} process died with exit code {job.proc.exitcode}"
+            elif time.monotonic() - job.started > job.timeout:
+                job.proc.kill()
+                ok, payload = False, f"{self.what} timed out after {job.timeout:.0f} s"
+            else:
+                continue
+            self.running.remove(job)
+            job.proc.join(5)
+            job.conn.close()
+            out.append((job.key, ok, payload))
+        return out
+
+
+def run_in_child(fn: Callable[..., Any], *args: Any, timeout: float, what: str = "job") -> Any:
+    """fn(*args) in a forked child of its own; its result, or RuntimeError saying why not."""
+    pool = ChildPool(1, what)
+    pool.submit(None, timeout, fn, *args)
+    while not (done := pool.finished()):
+        pass
+    [(_, ok, payload)] = done
+    if not ok:
+        raise RuntimeError(payload)
+    return payload
+
+
+def _child_main(conn, fn: Callable[..., Any], args: tuple) -> None:
+    die_with_parent()
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool (see spawn)
+    try:
+        conn.send_bytes(pickle.dumps((True, fn(*args))))
+    except BaseException:
+        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+    finally:
+        conn.close()

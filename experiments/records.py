@@ -42,7 +42,7 @@ def validate_record(record: dict) -> list[str]:
                  for k, types in SCHEMA.items() if k in record and not isinstance(record[k], types)]
     if record.get("status") not in STATUSES:
         problems.append(f"status {record.get('status')!r} not in {list(STATUSES)}")
-    if record.get("measured_by") == "simulated":  # experiments/simulate.py: memory and traffic, no time
+    if record.get("measured_by") == "simulated":  # experiments/run/fake.py: memory and traffic, no time
         if record.get("status") in ("ok", "oom") and not isinstance(record.get("memory", {}).get("peak_bytes"), int):
             problems.append(f"simulated {record['status']} record without memory.peak_bytes")
         if record.get("status") in ("ok", "oom") and record.get("tflops_per_gpu") is not None:
@@ -88,7 +88,7 @@ def read_record(path: Path) -> dict | None:
 
 def load_records(root: Path, experiment: str | None = None) -> list[dict]:
     """Every record under results/runs (or one experiment's folder), sorted by path; the
-    simulated records of a folder's simulated/ subfolder (experiments/simulate.py) too."""
+    simulated records of a folder's simulated/ subfolder (experiments/run/fake.py) too."""
     folders = [root / experiment] if experiment else sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
     records = []
     for folder in folders:

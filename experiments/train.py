@@ -1,406 +1,42 @@
-"""One benchmark point: megatron-core GPT, TP x DP, the ZeRO engine, timed steps, one record.
-
-As a program it is what torchrun or srun runs on every rank:
+"""One benchmark point, as torchrun or srun runs it on every rank (experiments/run/real.py):
 
     torchrun --nproc-per-node=2 experiments/train.py model=tiny_s stage=2 gpus=2
     srun python experiments/train.py model=fig4_13b stage=2 gpus=128 cluster=dgx2_v100
+    python experiments/train.py model=fig4_13b stage=2 gpus=128 cluster=dgx2_v100 simulate=true
 
-Rank 0 writes results/runs/<experiment>/<point_id>.json, also when the point fails. sweep.py
-calls `train_rank` on ranks it forks itself and writes the record from the parent.
+Rank 0 writes results/runs/<experiment>/<point_id>.json, also when the point fails. With
+simulate=true this process plays one rank of the whole world on fake tensors
+(experiments/run/fake.py) and writes the record under <experiment>/simulated/.
 """
 from __future__ import annotations
 
 import os
-import resource
-import statistics
 import sys
-import time
-import traceback
-import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra
-import torch
-import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-import zero_impl
-from experiments import records
-from zero_impl.config import ZERO_R_SWITCHES, zero_r_config
 from experiments.cli import preflight_or_exit
-from experiments.points import ConfigError, Point, expand, predicted_model_state_bytes, resolve_precision
+from experiments.points import ConfigError
+from experiments.run.fake import check_simulate_rank, simulate_and_record
+from experiments.run.real import point_from_train_config, run_as_rank
 from experiments.schema import register
-from experiments.analysis.flops import model_flops_per_iteration, recompute_factor
-from experiments.analysis.memory import predicted_for_engine
-from experiments.launch import RankFailed
-from experiments.models.megatron_gpt import (build_gpt, gpt_loss, initialize_parallel, megatron_param_init_fn,
-                                             padded_vocab_size, parameter_count)
-from experiments.models.tiny_gpt import synthetic_tokens
+from experiments.sweeps.summary import simulated_summary_markdown, simulated_summary_rows
 
-META_BUILD_PARAMS = 1e9  # stage 3 builds models above this size on the meta device, unit by unit
-
-
-class Preempted(Exception):
-    """The launcher asked the point to stop (Slurm's signal before the time limit): the ranks
-    saved a checkpoint after `step` completed steps."""
-
-    def __init__(self, step: int, checkpoint: str) -> None:
-        super().__init__(f"stopped after step {step} at the launcher's request (Slurm's signal before the "
-                         f"time limit); resume from {checkpoint} with train.resume=true")
-        self.step, self.checkpoint = step, checkpoint
-
-
-def checkpoint_root(point: Point, experiment_dir: Path) -> Path:
-    """Where a point's checkpoints go: train.checkpoint_dir, else <experiment folder>/checkpoints/<point id>."""
-    return Path(point.train["checkpoint_dir"]) if point.train["checkpoint_dir"] else \
-        experiment_dir / "checkpoints" / point.point_id
-
-
-def with_checkpoint_dir(point: Point, experiment_dir: Path) -> dict:
-    """point.as_dict() with train.checkpoint_dir resolved (checkpoint_root), for train_rank."""
-    resolved = point.as_dict()
-    resolved["train"]["checkpoint_dir"] = str(checkpoint_root(point, experiment_dir))
-    return resolved
-
-
-def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn, dp_group, tp_group,
-                   **adamw) -> zero_impl.ZeroEngine:
-    """`model` in the point's engine: its ZeroConfig, and the paper's AdamW (weight decay on
-    matrices only; `adamw` adds options, e.g. foreach) over ZeRO's data-parallel group."""
-    t = point.train
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
-              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
-    config = zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
-                                  **point.zero)
-    return zero_impl.initialize(model, config, optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999),
-                                                                                    **adamw),
-                                param_groups=groups, dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
-
-
-def micro_batch_tokens(point: Point, step: int, micro: int, dp_rank: int) -> torch.Tensor:
-    """The synthetic tokens of one micro-batch of one data-parallel rank: the same on any run."""
-    t = point.train
-    seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
-    return synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed)
-
-
-def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
-    """Train one point on this rank (torch.distributed is up); return this rank's measurements.
-
-    Checkpoints (zero_impl.checkpoint) go to train.checkpoint_dir/step_<N> every train.checkpoint_every
-    steps, and when the file named by $ZERO_REPRO_STOP_FILE appears (slurm/launch.sh creates it
-    on Slurm's signal before the time limit): then the ranks save and raise Preempted. With
-    train.resume, training starts from the latest complete checkpoint there, losses and step
-    times included. `on_step(steps done, latest checkpoint)` is called after every step."""
-    point = Point(**point_dict)
-    t = point.train
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
-    torch.manual_seed(t["seed"])
-    peak = PeakMemory(device)  # from the build through the first optimizer step
-    model, init_fn = _build(point, device, zero_impl.config.DTYPES[precision])
-    engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group)
-    dp_rank = dist.get_rank(dp_group)
-    losses, times, activation_bytes = [], [], 0
-    start, saved, resumed_from = 0, None, None
-    root = Path(t["checkpoint_dir"]) if t["checkpoint_dir"] else None
-    if t["resume"] and root is not None and zero_impl.checkpoint.latest(root) is not None:
-        saved = resumed_from = str(zero_impl.checkpoint.latest(root))
-        progress = zero_impl.checkpoint.load(engine, saved)
-        start, losses, times = progress["step"], progress["losses"], progress["step_times_s"]
-    stop_file = os.environ.get("ZERO_REPRO_STOP_FILE")
-    if on_step is not None:
-        on_step(start, saved)
-    for step in range(start, t["warmup_steps"] + t["steps"]):
-        if t["fault"] in ("raise", "hang") and step == min(1, t["warmup_steps"] + t["steps"] - 1) and dist.get_rank() == 0:
-            _inject(t["fault"])
-        _sync(device)
-        dist.barrier()
-        began = time.perf_counter()
-        total = torch.zeros((), device=device)
-        for micro in range(t["grad_accum_steps"]):
-            tokens = micro_batch_tokens(point, step, micro, dp_rank).to(device)
-            if step == start and micro == 0:  # measure what forward saves for backward, once
-                with SavedActivations(model) as census:
-                    loss = gpt_loss(engine, tokens)
-                activation_bytes = census.bytes
-            else:
-                loss = gpt_loss(engine, tokens)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / t["grad_accum_steps"]
-        peak.stop()
-        _sync(device)
-        if step >= t["warmup_steps"]:
-            times.append(time.perf_counter() - began)
-        dist.all_reduce(total, group=dp_group)
-        losses.append(total.item() / dist.get_world_size(dp_group))
-        if t["fault"] == "slow":
-            time.sleep(1.0)
-        stop = _stop_requested(stop_file, device) and step + 1 < t["warmup_steps"] + t["steps"]
-        if root is not None and (stop or t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0):
-            saved = str(zero_impl.checkpoint.save(engine, root / f"step_{step + 1}",
-                                                  extra={"step": step + 1, "losses": losses, "step_times_s": times}))
-        if on_step is not None:
-            on_step(step + 1, saved)
-        if stop:
-            raise Preempted(step + 1, saved)
-    stats = engine.stats()
-    memory = stats["memory"]
-    memory["activations_saved"] = activation_bytes
-    memory["peak_bytes"] = peak.bytes
-    memory["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if device.type == "cuda":
-        memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-        memory["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
-    return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats,
-            "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from}}
-
-
-def _stop_requested(stop_file: str | None, device: torch.device) -> bool:
-    """Whether any rank sees the stop file (all ranks agree: they stop after the same step)."""
-    if not stop_file:
-        return False
-    flag = torch.tensor([float(os.path.exists(stop_file))], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def _build(point: Point, device: torch.device, dtype: torch.dtype = torch.float32):
-    """The model and stage 3's param_init_fn. Every parameter is drawn from (train.seed, its
-    name), whole on every TP rank, which keeps its slice: the meta build materialized unit by
-    unit starts from the same weights as the eager one (megatron_gpt's docstring). The eager
-    build is in the training dtype `dtype`, so no full fp32 copy of the model ever exists; the
-    engine then re-points its parameters into its buffers bucket by bucket."""
-    recompute, seed = point.train["recompute"], point.train["seed"]
-    if point.stage == 3 and parameter_count(point.shape, point.tp) > META_BUILD_PARAMS:
-        with torch.device("meta"):
-            model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
-        return model, megatron_param_init_fn(model, seed)
-    model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
-    # built on the CPU; moved unless that is the device (nn.Module.to cannot swap the fake
-    # parameters of a simulation, experiments/simulate.py)
-    return (model if device.type == "cpu" else model.to(device)), None
-
-
-class PeakMemory:
-    """Peak bytes of live tensors on this rank: the CUDA allocator's statistics on a GPU (the
-    whole run); on CPU torch's MemTracker, which sees every allocation and free, from creation
-    until `stop()` (the build, `initialize` and the first optimizer step, where the steady state
-    is reached: Adam's states exist from then on)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda, self.peak = device.type == "cuda", 0
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            self.tracker = None
-        else:
-            # MemTracker warns about the None entries of optimizer states it walks, and about
-            # modules its backward hooks outlive
-            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable", category=UserWarning)
-            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-            self.tracker = MemTracker()
-            self.tracker.__enter__()
-
-    def stop(self) -> None:
-        if self.tracker is not None:
-            self.peak = sum(kinds["Total"] for kinds in self.tracker.get_tracker_snapshot("peak").values())
-            self.tracker.__exit__(None, None, None)
-            self.tracker = None
-
-    @property
-    def bytes(self) -> int:
-        self.stop()
-        return torch.cuda.max_memory_allocated() if self.cuda else self.peak
-
-
-class SavedActivations:
-    """Counts the distinct storages forward saves for backward, parameters excluded."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.params = {id(p) for p in model.parameters()}
-        self.storages: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in self.params and t.device.type != "meta":
-            storage = t.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self) -> "SavedActivations":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-
-def _inject(fault: str) -> None:
-    if fault == "raise":
-        raise RuntimeError("injected fault (train.fault=raise)")
-    time.sleep(10 ** 6)  # "hang": the other ranks wait in a collective until the point times out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-# -- records ---------------------------------------------------------------------------------
-def build_record(point: Point, precision: str, launcher: str, status: str, results: list[dict] | None,
-                 error: str | None, started: str, resume: dict | None = None) -> dict:
-    """The result record of one point, from every rank's measurements (or the error). `resume`:
-    {last_step, checkpoint, resumed_from} (ok records take it from rank 0's results)."""
-    shape = point.shape
-    recompute = point.train["recompute"]
-    flops = model_flops_per_iteration(batch=point.global_batch, seq_len=shape.seq_len, layers=shape.layers,
-                                      hidden=shape.hidden, vocab=padded_vocab_size(shape.vocab_size, point.tp),
-                                      recompute=recompute)
-    record = {
-        "status": status, "experiment": point.experiment, "point_id": point.point_id,
-        "config": {**point.as_dict(), "precision_resolved": precision, "launcher": launcher},
-        "model": {**point.model, "padded_vocab_size": padded_vocab_size(shape.vocab_size, point.tp)},
-        "params": parameter_count(shape, point.tp), "params_per_gpu": 0, "padded_params_per_gpu": 0,
-        "world_size": point.gpus, "tp": point.tp, "dp": point.dp, "stage": point.stage, "precision": precision,
-        "zero_r_config": zero_r_config(point.stage, **{k: point.zero[k] for k in ZERO_R_SWITCHES if k in point.zero}),
-        "micro_batch": point.micro_batch, "global_batch": point.global_batch,
-        "recompute_factor": recompute_factor(recompute), "flops_per_iteration": float(flops),
-        "flops_convention": "Narayanan et al. 2021 Eq. 3: 24*c*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)), padded V, no causal halving",
-        "step_times_s": [], "step_time_s": None, "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
-        "memory": {"predicted": predicted_model_state_bytes(point, precision)}, "comm": {}, "losses": [],
-        "error": error, "versions": records.versions(), "hardware": records.hardware(),
-        "started": started, "finished": records.now(),
-        "resume": resume if resume is not None else (results[0].get("resume") if results else None),
-    }
-    if status == "ok" and results:
-        rank0 = results[0]
-        stats = rank0["stats"]
-        step = statistics.median(rank0["step_times_s"])
-        measured = [r["stats"]["memory"] for r in results]
-        record.update(
-            params_per_gpu=stats["psi"], padded_params_per_gpu=stats["padded_psi"], step_times_s=rank0["step_times_s"], step_time_s=step,
-            tflops_per_gpu=flops / (step * point.gpus * 1e12),
-            tokens_per_s_per_gpu=point.global_batch * shape.seq_len / (step * point.gpus), losses=rank0["losses"])
-        record["memory"] = {
-            "predicted": predicted_for_engine(stats),  # Table 1's formula with this run's dtypes
-            "measured": measured[0],                    # rank 0, bytes by kind
-            "measured_max_over_ranks": {k: max(m[k] for m in measured) for k in measured[0]},
-        }
-        theory = (3 if point.stage == 3 else 2) * stats["psi"] if point.dp > 1 else 0
-        last = stats["comm"]["last_step"]
-        record["comm"] = {"elements_per_step": last["elements"], "bytes_per_step": last["bytes"],
-                          "theory_elements_per_step": theory, "by_kind": last["by_kind"],
-                          "by_purpose": last["by_purpose"], "loss_scale": stats["loss_scale"],
-                          "skipped_steps": stats["skipped_steps"]}
-    return record
-
-
-def classify_failure(error: BaseException) -> tuple[str, str]:
-    """(status, error text) for a point that did not finish."""
-    text = f"{type(error).__name__}: {error}" if not isinstance(error, RankFailed) else str(error)
-    if isinstance(error, RankFailed) and error.reason == "timeout":
-        return "timeout", text
-    if isinstance(error, RankFailed) and error.reason == "died" and error.exitcode == -9:
-        return "oom", text + " (killed by SIGKILL: most likely the kernel's out-of-memory killer)"
-    lowered = text.lower()
-    if "out of memory" in lowered or "outofmemoryerror" in lowered or "can't allocate memory" in lowered:
-        return "oom", text
-    return "fail", text
-
-
-# -- torchrun / srun entry point ---------------------------------------------------------------
 register()
 
 
-def point_from_train_config(cfg: DictConfig) -> Point:
-    """The single point a train.py invocation describes (validated like a sweep's)."""
-    axes = ("stage", "gpus", "tp", "micro_batch")
-    sweep_like = OmegaConf.create({
-        "experiment": {"name": cfg.experiment_name, "points": [{"model": cfg.model.name, **{k: cfg[k] for k in axes}}],
-                       "grid": {}},
-        "model": cfg.model, "train": cfg.train, "zero": cfg.zero, "cluster": cfg.cluster, "launcher": "torchrun",
-        **{axis: None for axis in axes}})
-    return expand(sweep_like)[0]
-
-
-def run_as_rank(point: Point, results_dir: Path, launcher: str) -> None:
-    """Train `point` as one rank of a job whose launcher (torchrun, srun, submitit) set RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; rank 0 writes the record, also when
-    the point fails (then the exception propagates: the rank exits non-zero)."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != point.gpus:
-        raise ConfigError(f"gpus={point.gpus} but the launcher started {world} ranks")
-    precision = resolve_precision(point.train["precision"])
-    path = results_dir / point.experiment / f"{point.point_id}.json"
-    started = records.now()
-    root = checkpoint_root(point, results_dir / point.experiment)
-    pending = PendingTimeout(path, build_record(point, precision, launcher, "timeout", None, "", started)) \
-        if rank == 0 and os.environ.get("ZERO_REPRO_STOP_FILE") else None
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        result = train_rank(with_checkpoint_dir(point, results_dir / point.experiment), precision, on_step=pending)
-        results = [None] * world
-        dist.all_gather_object(results, result)
-        if rank == 0:
-            records.write_record(path, build_record(point, precision, launcher, "ok", results, None, started))
-    except Preempted as e:  # saved before the time limit: the record says where to resume
-        if rank == 0:
-            records.write_record(path, build_record(point, precision, launcher, "timeout", None, str(e), started,
-                                                    resume={"last_step": e.step, "checkpoint": e.checkpoint}))
-            # the launcher requeues on this marker, not on a record's text (stale across restarts)
-            Path(os.environ["ZERO_REPRO_STOP_FILE"] + ".saved").touch()
-        # Nobody exits before rank 0 has written: the launcher kills the job's other ranks as
-        # soon as one exits, and at 400 ranks the first of them would beat rank 0's write.
-        dist.barrier()
-        raise
-    except Exception as e:  # a record that says why, then the rank's non-zero exit
-        status, _ = classify_failure(e)
-        if rank == 0:
-            records.write_record(path, build_record(point, precision, launcher, status, None,
-                                                    traceback.format_exc(), started,
-                                                    resume=_resume_point(root)))
-        raise
-    finally:
-        if pending is not None:
-            pending.discard()
-        dist.destroy_process_group()
-
-
-def _resume_point(root: Path) -> dict:
-    latest = zero_impl.checkpoint.latest(root) if root.exists() else None
-    return {"checkpoint": str(latest) if latest else None}
-
-
-class PendingTimeout:
-    """Under Slurm (slurm/launch.sh), rank 0 keeps `<record>.pending`: the point's record as it
-    would read if Slurm ended the job now (status timeout, the last step and checkpoint). The
-    launcher's TERM trap renames it to the record; a rank that writes a real record discards it."""
-
-    def __init__(self, record_path: Path, record: dict) -> None:
-        self.path, self.record = Path(f"{record_path}.pending"), record
-
-    def __call__(self, step: int, checkpoint: str | None) -> None:
-        self.record["resume"] = {"last_step": step, "checkpoint": checkpoint}
-        self.record["error"] = (f"ended by Slurm (time limit or scancel) after step {step}; "
-                                + (f"resume from {checkpoint} with train.resume=true" if checkpoint else
-                                   "no checkpoint yet (train.checkpoint_every)"))
-        self.record["finished"] = records.now()
-        records.write_record(self.path, self.record)
-
-    def discard(self) -> None:
-        self.path.unlink(missing_ok=True)
+def simulate(cfg: DictConfig) -> int:
+    """simulate=true: the point's record and its summary row; 0 unless the simulation failed."""
+    point = point_from_train_config(cfg)
+    record, path = simulate_and_record(point, Path(cfg.results_dir), cfg.simulate_rank)
+    print(simulated_summary_markdown(simulated_summary_rows([point], path.parent.parent)))
+    print(f"{record['status']}: {path}" + (f"\n{record['error']}" if record.get("error") else ""))
+    return 0 if "simulation" in record else 1
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -408,9 +44,8 @@ def main(cfg: DictConfig) -> None:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one
     try:
-        if cfg.simulate:  # this process plays one rank of the whole world (experiments/simulate.py)
-            from experiments.simulate import simulate_and_record
-            sys.exit(simulate_and_record(point_from_train_config(cfg), Path(cfg.results_dir), cfg.simulate_rank))
+        if cfg.simulate:
+            sys.exit(simulate(cfg))
         run_as_rank(point_from_train_config(cfg), Path(cfg.results_dir),
                     os.environ.get("ZERO_REPRO_LAUNCHER", "torchrun"))
     except ConfigError as e:
@@ -421,7 +56,6 @@ def main(cfg: DictConfig) -> None:
 def _validate(cfg: DictConfig, remote: bool) -> None:
     point = point_from_train_config(cfg)
     if cfg.simulate:
-        from experiments.simulate import check_simulate_rank
         check_simulate_rank([point], cfg.simulate_rank)
 
 

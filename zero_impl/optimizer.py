@@ -129,7 +129,7 @@ class ShardedOptimizer:
             sums /= self.dp.size  # every DP rank holds the same full gradient: count it once
         self.dp.all_reduce(sums, purpose="norm")
         self.mp.all_reduce(sums, purpose="norm")
-        if is_fake(sums):  # a simulation (FakeTensorMode, experiments/simulate.py): no values to read
+        if is_fake(sums):  # a simulation (FakeTensorMode, experiments/run/fake.py): no values to read
             return float("nan"), False
         return float(sums[0]), not math.isfinite(float(sums[1]))
 

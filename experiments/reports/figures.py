@@ -417,7 +417,7 @@ SIM_KINDS = {"params": "tab:blue", "grads": "tab:orange", "optimizer_states": "t
 
 
 def simulated_memory(records: list[dict]) -> Figure:
-    """Simulated points (experiments/simulate.py): the simulated rank's peak device memory by kind,
+    """Simulated points (experiments/run/fake.py): the simulated rank's peak device memory by kind,
     against the device (line) less the cluster's CUDA reserve (dashed), one panel per experiment
     (the two with the most simulated points); marked SIMULATED, never mixed with hardware."""
     sims = [r for r in records if r.get("measured_by") == "simulated" and "peak_by_kind" in r.get("memory", {})]

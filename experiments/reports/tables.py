@@ -247,12 +247,12 @@ def comm_table(records: list[dict]) -> pd.DataFrame:
 
 
 def measured_by(record: dict) -> str:
-    """"simulated" for records of experiments/simulate.py (one rank on fake tensors: memory and
+    """"simulated" for records of experiments/run/fake.py (one rank on fake tensors: memory and
     traffic, no time), "hardware" for runs on real ranks. Never averaged together."""
     return "simulated" if record.get("measured_by") == "simulated" else "hardware"
 
 
-# -- simulated points (experiments/simulate.py) -----------------------------------------------
+# -- simulated points (experiments/run/fake.py) -----------------------------------------------
 ZERO_R_EXPERIMENTS = ("fig2", "fig3", "fig6", "fig7", "fig8")  # the paper ran these ZeRO points with ZeRO-R
 
 
@@ -326,7 +326,7 @@ def peak_breakdown_gb(memory: dict) -> dict[str, float | None]:
 
 
 def largest_table(records: list[dict]) -> pd.DataFrame:
-    """The largest model of each searched row's family that fits (experiments/largest.py): the
+    """The largest model of each searched row's family that fits (experiments/sweeps/largest.py): the
     analytic bracket, the simulated maximum (confirmed when the next depth was simulated and did
     not fit), every simulated depth, and the paper's number (Table 2's measured columns; Figure
     4's 13B with ZeRO and 1.4B with DP alone)."""

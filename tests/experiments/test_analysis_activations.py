@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from experiments import sweep
+from experiments.sweeps.dry_run import dry_run
 from experiments.analysis.activations import (activation_memory, checkpoint_bytes, engine_buffer_bytes, head_bytes,
                                               layer_activation_bytes, layer_params_per_tp_rank, logits_bytes,
                                               root_params_per_tp_rank)
@@ -144,7 +144,7 @@ def test_fig4_13b_without_mp_fits(compose):
 
 def test_dry_run_prints_the_terms_and_the_verdicts(compose, capsys):
     points = _points(compose, "fig2")
-    sweep.dry_run(list(points.values()))
+    dry_run(list(points.values()))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| fig2_")}
     big = rows[points[("fig2_100b", 2, 400, 16, 32)].point_id]

@@ -1,4 +1,4 @@
-"""experiments/gpu_check.py (`make gpu-check`) without a GPU: the one skip line, its comparison
+"""experiments/gpu_check/ (`make gpu-check`) without a GPU: the one skip line, its comparison
 and verdict helpers, and a CPU rehearsal of the whole script (every check, CPU sizes)."""
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ from pathlib import Path
 
 import torch
 
-from experiments import gpu_check
-from experiments.gpu_check import SKIPPED, parity_distance, verdict
+from experiments.gpu_check import common, engine_rows
+from experiments.gpu_check.common import SKIPPED, verdict
+from experiments.gpu_check.engine_rows import parity_distance
 
 REPO = Path(__file__).resolve().parents[2]
 NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # also on a machine with GPUs: the check must skip
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "experiments/gpu_check.py", *args], cwd=REPO, env=NO_GPU,
+    return subprocess.run([sys.executable, "-m", "experiments.gpu_check", *args], cwd=REPO, env=NO_GPU,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -51,11 +52,11 @@ def test_parity_distance_is_relative_to_the_update():
 def test_verdict_fails_on_nan_and_on_any_failed_check():
     assert verdict(True, 1e-5 <= 1e-3) == "PASS"
     assert verdict(True, float("nan") <= 1e-3) == "FAIL" and verdict(False) == "FAIL"
-    assert gpu_check.PARITY["update_bound"] == 1e-3 and gpu_check.PARITY["loss_bound"] == 1e-4
+    assert engine_rows.PARITY["update_bound"] == 1e-3 and engine_rows.PARITY["loss_bound"] == 1e-4
 
 
 def test_a_failed_point_is_a_row_that_says_why():
-    row = gpu_check.point_row("x", {"ok": False, "error": "Traceback...\nRuntimeError: CUDA out of memory | x"},
+    row = engine_rows.point_row("x", {"ok": False, "error": "Traceback...\nRuntimeError: CUDA out of memory | x"},
                               None, "bf16")
     assert row == ("x", "RuntimeError: CUDA out of memory / x", "trains", "FAIL")
 
@@ -78,4 +79,4 @@ def test_cpu_rehearsal_runs_every_check():
 def test_a_row_that_cannot_be_built_is_a_failed_row():
     def broken():
         raise KeyError("peak_buffers")
-    assert gpu_check.safe_row("1.3B", broken) == ("1.3B", "KeyError: 'peak_buffers'", "a row", "FAIL")
+    assert common.safe_row("1.3B", broken) == ("1.3B", "KeyError: 'peak_buffers'", "a row", "FAIL")

@@ -76,18 +76,18 @@ def test_meta_build_through_stage3_equals_eager_build(world, tp, threshold, tp1)
 
 
 def _train_build(tp: int) -> bool:
-    """train.py's _build: stage 3 above META_BUILD_PARAMS (lowered to 0 here) builds on the meta
+    """run/build.py's build_model: stage 3 above META_BUILD_PARAMS (lowered to 0 here) builds on the meta
     device and hands stage 3 its param_init_fn; the result equals its eager build."""
-    from experiments import train
+    from experiments.run import build
     dp_group, tp_group = initialize_parallel(tp)
-    train.META_BUILD_PARAMS = 0
+    build.META_BUILD_PARAMS = 0
     point = SimpleNamespace(stage=3, shape=SHAPE, tp=tp, train={"recompute": False, "seed": SEED})
-    meta, init_fn = train._build(point, torch.device("cpu"))
+    meta, init_fn = build.build_model(point, torch.device("cpu"))
     assert init_fn is not None and all(p.is_meta for p in meta.parameters())
     engine = zero_impl.initialize(meta, zero_impl.ZeroConfig(stage=3), optimizer=lambda g: torch.optim.AdamW(g),
                                   dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
     point.stage = 2
-    eager, none = train._build(point, torch.device("cpu"))
+    eager, none = build.build_model(point, torch.device("cpu"))
     assert none is None
     return _equal(gather_tp(meta, engine.full_parameters(), tp_group),
                   gather_tp(eager, {n: p.detach() for n, p in eager.named_parameters()}, tp_group))

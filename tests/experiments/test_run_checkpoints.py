@@ -22,7 +22,7 @@ def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monk
     ranks save and raise Preempted after the step in flight; train.resume continues from the
     latest checkpoint, losses and step times included, to the uninterrupted run's losses."""
     from experiments.launch import RankFailed
-    from experiments.train import train_rank, with_checkpoint_dir
+    from experiments.run.real import train_rank, with_checkpoint_dir
     straight = _point(compose, tmp_path, "train.checkpoint_every=2")
     done = spawn(train_rank, 2, with_checkpoint_dir(straight, tmp_path), "fp32", timeout=120)[0]
     root = tmp_path / "checkpoints" / straight.point_id

@@ -1,4 +1,4 @@
-"""Simulation at the paper's scale (experiments/simulate.py, experiments/storage_tracker.py).
+"""Simulation at the paper's scale (experiments/run/fake.py, experiments/run/storage_tracker.py).
 
 The claim under test: a rank simulated on fake tensors over the fake process group allocates
 exactly what the same rank allocates in a real run (real tensors, real gloo ranks), by kind and
@@ -14,13 +14,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from experiments import simulate, simulated_records
+from experiments.run import fake as simulate, record as simulated_records
 from experiments.launch import spawn
 from experiments.points import Point, load_model
 from experiments.records import load_records, read_record, validate_record
 from experiments.reports import tables
 from experiments.schema import ClusterConfig, TrainSettings, ZeroSettings
-from experiments.storage_tracker import KINDS, StorageTracker
+from experiments.run.storage_tracker import KINDS, StorageTracker
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.05  # the issue's bound; measured: equal to the byte
@@ -138,9 +138,9 @@ def test_simulated_other_rank_matches_real():
 
 def test_simulated_meta_build_matches_real(monkeypatch):
     """Stage 3 builds large models on the meta device and materializes them unit by unit
-    (train.py's _build above META_BUILD_PARAMS, lowered here): simulated equals real too."""
-    import experiments.train
-    monkeypatch.setattr(experiments.train, "META_BUILD_PARAMS", 0)
+    (run/build.py's build_model above META_BUILD_PARAMS, lowered here): simulated equals real too."""
+    from experiments.run import build
+    monkeypatch.setattr(build, "META_BUILD_PARAMS", 0)
     point = make_point("tiny_s", 3, 4, 2, 2)
     real = _real(point, "fp16")[0]["memory"]
     sim = simulate.simulate_in_child(point.as_dict(), "fp16", 0)["memory"]
@@ -218,12 +218,12 @@ def test_sweep_and_train_simulate_cli(tmp_path):
     assert record["measured_by"] == "simulated" and record["tp"] == 2 and record["dp"] == 32
 
 
-# -- the largest model, by search (experiments/largest.py) ----------------------------------------
+# -- the largest model, by search (experiments/sweeps/largest.py) ----------------------------------------
 def test_largest_search_converges_on_a_line():
     """Peaks linear in depth (as simulated ones nearly are), off the analytic model by 30%: the
     search starts at the analytic bracket and ends with a fitting depth and a failing depth + 1,
     in at most 5 simulations; the rows searched are the largest of each (stage, MP, GPUs)."""
-    from experiments import largest
+    from experiments.sweeps import largest
 
     row = make_point("fig4_13b", 2, 128, 1, 2, cluster="dgx2_v100")
     search = largest.Search(row)
@@ -248,7 +248,7 @@ def test_largest_search_converges_on_a_line():
 def test_figure6_searches_one_row_per_zero_r_configuration(compose):
     """Figure 6's five points differ in their ZeRO-R configuration, not only in stage: each is
     its own row of the search (C1 and C2 share stage 1, C3-C5 stage 2), with the paper's size."""
-    from experiments.largest import paper_largest, rows_to_search
+    from experiments.sweeps.largest import paper_largest, rows_to_search
     from experiments.points import expand
     rows = rows_to_search(expand(compose("experiment=fig6")))
     assert [paper_largest(r) for r in rows] == ["40B", "60B", "50B (inferred)", "140B", "150B"]

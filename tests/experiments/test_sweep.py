@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from experiments import sweep
+from experiments.sweeps import local
 from experiments.points import CONF_DIR, ConfigError, expand
 from experiments.records import load_records, validate_record
 
@@ -59,7 +60,7 @@ def test_default_sweep_end_to_end(tmp_path):
 
 def test_failures_are_recorded_and_the_sweep_goes_on(compose, tmp_path, monkeypatch, capsys):
     """One point raises, one hangs past its timeout: both are recorded, the others still run."""
-    real = sweep.train_rank
+    real = local.train_rank
 
     def flaky(point, precision):
         if point["gpus"] == 2 and point["stage"] == 1:
@@ -68,7 +69,7 @@ def test_failures_are_recorded_and_the_sweep_goes_on(compose, tmp_path, monkeypa
             time.sleep(600)
         return real(point, precision)
 
-    monkeypatch.setattr(sweep, "train_rank", flaky)
+    monkeypatch.setattr(local, "train_rank", flaky)
     cfg = compose("model=tiny_s", "gpus=[1,2]", "stage=[1,2]", f"results_dir={tmp_path}", "train.timeout_s=20", *QUICK)
     sweep.run_sweep(cfg)
     by_point = {(r["world_size"], r["stage"]): r for r in load_records(tmp_path, "cpu_default")}

@@ -3,7 +3,7 @@
 - MD (contiguous_memory_optimization): the caching allocator's fragmentation, stage 2 without and
   with MD (C3): the peak bytes of inactive split blocks (free pieces of cached segments), and the
   reserved and allocated peaks (taken at different moments: their difference bounds the slack). On the CPU there is no allocator to fragment;
-  the arena's mechanics are tested in tests/test_zero_r.py.
+  the arena's mechanics are tested in tests/zero_impl/test_zero_r.py.
 - Pa+cpu (cpu_checkpointing): the checkpoints go to pinned host memory on a side stream and come
   back one layer ahead of their recomputation. The row checks every checkpoint was prefetched
   (none fetched on demand) and that the losses are bitwise C4's (the same run kept on the
@@ -23,7 +23,8 @@ import warnings
 
 import torch
 
-from experiments.gpu_check import attempt, error_line
+from experiments.gpu_check.common import attempt, error_line
+from experiments.run.real import train_rank
 
 RUNS = {  # name -> Hydra overrides of experiments/train.py
     "stage 2": [],
@@ -54,7 +55,6 @@ def zero_r_rank(points: dict[str, dict], precision: str) -> dict[str, dict]:
     torch.use_deterministic_algorithms(True, warn_only=True)
     # deterministic mode would also fill every torch.empty with NaN: work that would blur the timings
     torch.utils.deterministic.fill_uninitialized_memory = False
-    from experiments.train import train_rank
     out = {}
     for name, point in points.items():
         gc.collect()

@@ -8,11 +8,11 @@ One process per point plays one rank (`simulate_rank`, default 0) of the point's
 torch's fake process-group backend (`FakeProcessGroup`) accepts every collective, with the
 right shapes, for any world size, so megatron-core's parallel state lays out the real TP x DP
 groups; `FakeTensorMode` runs every op with shapes, dtypes and devices but no data and no
-memory. On top of that runs what a real point runs: the model built by train.py's `_build`
+memory. On top of that runs what a real point runs: the model built by run/build.py's `build_model`
 (eagerly, or on the meta device and materialized unit by unit by stage 3), the ZeRO engine with
 the point's stage, precision and knobs, and `SIM_STEPS` complete training steps (forward,
 backward, step, with the point's recomputation and gradient accumulation). Every storage the
-rank allocates is seen by `StorageTracker` (experiments/storage_tracker.py), which gives the
+rank allocates is seen by `StorageTracker` (experiments/run/storage_tracker.py), which gives the
 peak device bytes, by phase and by kind, rounded to the CUDA caching allocator's 512-byte blocks.
 
 What changes in a simulation (and only there):
@@ -36,28 +36,23 @@ buffers, kernels' workspaces, and time (no step time, no TFLOPs).
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import os
-import pickle
-import sys
+import functools
 import time
 import traceback
 from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
 
 import zero_impl
 from experiments import records
-from experiments.collective_counter import CollectiveCounter
+from experiments.launch import run_in_child
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
-from experiments.points import Point, resolve_precision
-from experiments.simulated_records import (simulated_path, simulated_record, simulated_summary_markdown,
-                                           simulated_summary_rows)
-from experiments.storage_tracker import StorageTracker, label_engine
+from experiments.points import ConfigError, Point, resolve_precision
+from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
+from experiments.run.collective_counter import CollectiveCounter
+from experiments.run.record import simulated_path, simulated_record
+from experiments.run.storage_tracker import StorageTracker, label_engine
 
 SIM_STEPS = 2  # optimizer steps: the first creates the optimizer states, the second runs with them
 
@@ -125,10 +120,8 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
     a simulation, gloo for a real run), under a StorageTracker; this rank's measurements.
 
     The same function measures a simulated rank (fake=True: under FakeTensorMode) and a real
-    one (fake=False: real CPU tensors), so the two can be compared (tests/test_simulate.py)."""
+    one (fake=False: real CPU tensors), so the two can be compared (tests/experiments/test_simulate.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from experiments.train import _build, micro_batch_tokens, wrap_in_engine  # train.py's own path
 
     point = Point(**point_dict)
     t = point.train
@@ -156,7 +149,7 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
     phase.started = time.perf_counter()
     with rng, mode, counter, tracker:
         phase("build")
-        model, init_fn = _build(point, device, zero_impl.config.DTYPES[precision])
+        model, init_fn = build_model(point, device, zero_impl.config.DTYPES[precision])
         phase("initialize")
         engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group,
                                 **({} if foreach is None else {"foreach": foreach}))
@@ -199,134 +192,25 @@ def simulate_point(point_dict: dict, precision: str, rank: int = 0, *, steps: in
     return result
 
 
-# -- running points in child processes --------------------------------------------------------
-def _child(conn, point_dict: dict, precision: str, rank: int, foreach: bool | None) -> None:
-    from experiments.launch import _die_with_parent
-    _die_with_parent()
-    torch.set_num_threads(1)
-    try:
-        result = simulate_point(point_dict, precision, rank, foreach=foreach)
-        conn.send_bytes(pickle.dumps((True, result)))
-    except BaseException:
-        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
-    finally:
-        conn.close()
-
-
-def _start(ctx, point_dict: dict, precision: str, rank: int, foreach: bool | None):
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, point_dict, precision, rank, foreach), daemon=True)
-    proc.start()
-    child.close()
-    return proc, parent
-
-
+# -- one point in a child process, or in this one ------------------------------------------------
 def simulate_in_child(point_dict: dict, precision: str, rank: int = 0, *, foreach: bool | None = None,
                       timeout: float = 600.0) -> dict:
     """simulate_point in a forked process of its own (the fake world must be this process's
     only process group); its result, or RuntimeError with the child's traceback."""
-    proc, conn = _start(multiprocessing.get_context("fork"), point_dict, precision, rank, foreach)
-    try:
-        if not conn.poll(timeout):
-            raise RuntimeError(f"simulation timed out after {timeout:.0f} s")
-        ok, payload = pickle.loads(conn.recv_bytes())
-    except EOFError:
-        ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(5)
-        conn.close()
-    if not ok:
-        raise RuntimeError(payload)
-    return payload
+    return run_in_child(functools.partial(simulate_point, foreach=foreach), point_dict, precision, rank,
+                        timeout=timeout, what="simulation")
 
 
-def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
-                  on_done=None) -> list[dict]:
-    """Simulate `points`, each in a process of its own (forked), `workers` at a time (default:
-    the CPU count); write each record to results_dir/simulated/<point_id>.json as it ends."""
-    ctx = multiprocessing.get_context("fork")
-    workers = max(1, workers or os.cpu_count() or 1)
-    pending, running, out = list(points), [], {}
-    while pending or running:
-        while pending and len(running) < workers:
-            point = pending.pop(0)
-            precision = simulated_precision(point)
-            proc, parent = _start(ctx, point.as_dict(), precision, rank, True if is_gpu_cluster(point) else None)
-            running.append((point, precision, proc, parent, records.now(), time.monotonic()))
-        time.sleep(0.05)
-        for item in list(running):
-            point, precision, proc, conn, started, t0 = item
-            result, error = None, None
-            if conn.poll():
-                try:
-                    ok, payload = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
-                result, error = (payload, None) if ok else (None, payload)
-            elif not proc.is_alive():
-                error = f"simulation process died with exit code {proc.exitcode}"
-            elif time.monotonic() - t0 > point.train["timeout_s"]:
-                proc.kill()
-                error = f"simulation timed out after {point.train['timeout_s']:.0f} s"
-            else:
-                continue
-            running.remove(item)
-            proc.join(5)
-            conn.close()
-            record = simulated_record(point, precision, result, error, started, rank)
-            if error and "timed out" in error:
-                record["status"] = "timeout"
-            path = simulated_path(results_dir, point)
-            records.write_record(path, record)
-            out[point.point_id] = record
-            if on_done:
-                on_done(point, record)
-    return [out[p.point_id] for p in points]
-
-
-# -- the sweep's simulate=true ----------------------------------------------------------------
 def check_simulate_rank(points: list[Point], rank: int) -> None:
-    from experiments.points import ConfigError
     for point in points:
         if not 0 <= rank < point.gpus:
             raise ConfigError(f"point ({point.describe()}): simulate_rank must be in [0, {point.gpus}), got {rank}")
 
 
-def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int = 0,
-                        force: bool = False) -> int:
-    """sweep.py simulate=true: every point simulated (those with an ok simulated record skipped
-    unless force), records under results_dir/simulated/, a summary printed and written there."""
-    check_simulate_rank(points, rank)
-    todo = []
-    for point in points:
-        existing = records.read_record(simulated_path(results_dir, point))
-        if existing and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank and not force:
-            print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
-        else:
-            todo.append(point)
-    started = time.perf_counter()
-
-    def done(point: Point, record: dict) -> None:
-        wall = (record.get("simulation") or {}).get("wall_s")
-        print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else ""), file=sys.stderr, flush=True)
-
-    run_simulated(todo, results_dir, rank=rank, workers=workers or None, on_done=done)
-    rows = simulated_summary_rows(points, results_dir)
-    print(simulated_summary_markdown(rows))
-    if rows:
-        from experiments.sweep import write_summary_csv
-        write_summary_csv(rows, results_dir / "simulated" / "summary.csv")
-    print(f"simulated {len(todo)} points in {time.perf_counter() - started:.0f} s (rank {rank}); "
-          f"records and summary.csv in {results_dir / 'simulated'}")
-    return 0
-
-
-def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> int:
-    """train.py simulate=true: simulate `point` in this process, write its record under
-    results_dir/<experiment>/simulated/, print its summary row; 0 unless the simulation failed
-    (a point that does not fit is a successful simulation: its record says oom)."""
+def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> tuple[dict, Path]:
+    """train.py simulate=true: simulate `point` in this process and write its record under
+    results_dir/<experiment>/simulated/; the record and its path (a point that does not fit is
+    a successful simulation: its record says oom; a failed one has no `simulation` entry)."""
     check_simulate_rank([point], rank)
     precision, started = simulated_precision(point), records.now()
     try:
@@ -335,9 +219,6 @@ def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> int:
     except Exception:
         result, error = None, traceback.format_exc()
     record = simulated_record(point, precision, result, error, started, rank)
-    experiment_dir = results_dir / point.experiment
-    path = simulated_path(experiment_dir, point)
+    path = simulated_path(results_dir / point.experiment, point)
     records.write_record(path, record)
-    print(simulated_summary_markdown(simulated_summary_rows([point], experiment_dir)))
-    print(f"{record['status']}: {path}" + (f"\n{record['error']}" if record.get("error") else ""))
-    return 0 if result is not None else 1
+    return record, path

@@ -1,5 +1,5 @@
 """Collectives issued outside the ZeRO engine, counted: megatron's tensor-parallel traffic,
-beside its closed form (experiments/simulate.py records both for every simulated point)."""
+beside its closed form (experiments/run/fake.py records both for every simulated point)."""
 from __future__ import annotations
 
 import os

@@ -5,7 +5,7 @@ MemTracker`, and sees the same events: every op's output storages (a new storage
 allocation), a storage's death (a weak reference's callback: a free), and
 `UntypedStorage.resize_` (patched while the tracker is active, as MemTracker patches it), which
 stage 3 uses to release and re-gather units (`unit.flat.untyped_storage().resize_(0)`). It works
-on real tensors (a CPU run over gloo) and on fake ones (`FakeTensorMode`, experiments/simulate.py)
+on real tensors (a CPU run over gloo) and on fake ones (`FakeTensorMode`, experiments/run/fake.py)
 alike, so a simulated rank and a real one are measured by the same code.
 
 What it adds to MemTracker: the kinds are the engine's, not nn.Module's, and allocations made
@@ -48,7 +48,7 @@ CUDA_BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block
 KINDS = ("params", "gathered_params", "grads", "optimizer_states", "activations", "buffers", "temporaries")
 PHASES = ("build", "initialize", "forward", "backward", "step")
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 _ZERO = str(_REPO / "zero_impl") + "/"
 _ENGINE_BUFFER_FILES = ("grad_reducer.py", "stage3.py", "flat_params.py", "comm.py", "layout.py")
 # what the engine allocates while it is built, until label_engine says exactly (the flat buffer

@@ -12,7 +12,7 @@ paper's Table 4 and appendix grow a model) is searched for the most layers whose
 peak plus the cluster's CUDA reserve fits the device:
 
 1. the analytic model (points.predicted_memory_bytes) gives the largest fitting depth L_a;
-2. rank `simulate_rank` of the full world is simulated (experiments/simulate.py) at L_a, then at
+2. rank `simulate_rank` of the full world is simulated (experiments/run/fake.py) at L_a, then at
    the depth where the line through the two simulated peaks nearest the limit (one peak and the
    analytic per-layer slope at first) crosses it, until a fitting depth L and a failing L + 1
    are both simulated: memory grows almost linearly with depth, so that takes 2-4 simulations;
@@ -26,8 +26,7 @@ columns.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import pickle
+import functools
 import sys
 import time
 from pathlib import Path
@@ -35,11 +34,13 @@ from pathlib import Path
 import pandas as pd
 
 from experiments import records
+from experiments.launch import ChildPool
 from experiments.models.megatron_gpt import parameter_count
 from experiments.points import Point, predicted_memory_bytes
+from experiments.run.fake import check_simulate_rank, is_gpu_cluster, simulate_point, simulated_precision
+from experiments.run.record import simulated_path, simulated_record, verdict
+from experiments.sweeps.summary import largest_markdown
 from zero_impl.config import zero_r_config
-from experiments.simulate import _start, is_gpu_cluster, simulated_precision
-from experiments.simulated_records import simulated_path, simulated_record, verdict
 
 MAX_SIMULATIONS = 8
 MAX_LAYERS = 4096
@@ -194,46 +195,29 @@ def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, worker
                 max_simulations: int = MAX_SIMULATIONS) -> list[dict]:
     """Search every row (rows_to_search), up to `workers` simulations at once; write the records
     and return each row's result."""
-    import os
-    ctx = multiprocessing.get_context("fork")
-    workers = max(1, workers or os.cpu_count() or 1)
+    pool = ChildPool(workers, what="simulation")
     searches = [Search(row, max_simulations) for row in rows_to_search(points)]
-    running = []
-    while any(not s.done for s in searches) or running:
+    started = {}
+    while any(not s.done for s in searches) or pool.running:
         for s in searches:
-            if len(running) >= workers:
+            if not pool.free:
                 break
             layers = s.next_layers()
             if layers is None:
                 continue
             point = family_point(s.row, layers)
-            proc, conn = _start(ctx, point.as_dict(), s.precision, rank, True if is_gpu_cluster(point) else None)
             s.pending = layers
-            running.append((s, point, proc, conn, records.now(), time.monotonic()))
-        time.sleep(0.05)
-        for item in list(running):
-            s, point, proc, conn, started, t0 = item
-            if conn.poll():
-                try:
-                    ok, payload = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
-            elif not proc.is_alive():
-                ok, payload = False, f"simulation process died with exit code {proc.exitcode}"
-            elif time.monotonic() - t0 > point.train["timeout_s"]:
-                proc.kill()
-                ok, payload = False, f"simulation timed out after {point.train['timeout_s']:.0f} s"
-            else:
-                continue
-            running.remove(item)
-            proc.join(5)
-            conn.close()
+            started[point.point_id] = (s, point, records.now())
+            simulate = functools.partial(simulate_point, foreach=True if is_gpu_cluster(point) else None)
+            pool.submit(point.point_id, point.train["timeout_s"], simulate, point.as_dict(), s.precision, rank)
+        for point_id, ok, payload in pool.finished():
+            s, point, began = started[point_id]
             s.pending = None
             if not ok:
                 s.failed = payload
                 print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''}", file=sys.stderr)
                 continue
-            record = simulated_record(point, s.precision, payload, None, started, rank)
+            record = simulated_record(point, s.precision, payload, None, began, rank)
             s.peaks[point.shape.layers] = record["memory"]["peak_bytes"]
             s.records[point.shape.layers] = record
             print(f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
@@ -252,20 +236,8 @@ def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, worker
     return results
 
 
-def largest_markdown(results: list[dict]) -> str:
-    lines = ["| experiment | stage | MP | GPUs | micro-batch | family (h, heads) | analytic max | simulated max "
-             "| simulations | paper |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
-    for r in results:
-        sims = ", ".join(f"{s['layers']}{'✓' if s['fits'] else '✗'}" for s in r["simulations"])
-        lines.append(f"| {r['experiment']} | {r['stage']} | {r['tp']} | {r['gpus']} | {r['micro_batch']} "
-                     f"| {r['hidden']}, {r['heads']} | {r['analytic_max_params'] / 1e9:.2f}B ({r['analytic_max_layers']} L) "
-                     f"| {r['simulated_max_params'] / 1e9:.2f}B ({r['simulated_max_layers']} L) | {sims} | {r['paper']} |")
-    return "\n".join(lines)
-
-
 def run_sweep_largest(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int = 0) -> int:
     """sweep.py simulate=true simulate_largest=true."""
-    from experiments.simulate import check_simulate_rank
     check_simulate_rank(points, rank)
     started = time.perf_counter()
     results = run_largest(points, results_dir, rank=rank, workers=workers or None)

@@ -1,0 +1,120 @@
+"""`make gpu-check`: the CUDA path end to end on one GPU, in at most 8 minutes.
+
+    python -m experiments.gpu_check              # on a machine with a GPU
+    python -m experiments.gpu_check --rehearse   # on CPU: the same script at CPU sizes (proves the script, not CUDA)
+
+1. stages: megatron-core GPT `tiny_m`, ZeRO stages 0-3 x bf16 and fp16, world 1 over NCCL,
+   trained by experiments/run/real.py's `train_rank`: finite losses, applied steps, and model
+   states equal to Table 1's prediction up to padding;
+2. parity: TinyGPT in fp32 at stages 0-3, the same seeds and tokens on CUDA (NCCL) and on the
+   CPU (gloo), against the bounds below;
+3. 1.3B: megatron GPT of GPT-3 XL's shape (24 x 2048, 16 heads, seq 1024), bf16, stage 2,
+   activation recomputation, micro-batch 4: TFLOPs/GPU (Narayanan Eq. 3) and
+   torch.cuda.max_memory_allocated beside the suite's model-state prediction;
+4. ZeRO-R (experiments/gpu_check/zero_r_rows.py): the 1.3B point again at stage 2 without and with
+   MD, and with Pa and Pa+cpu: the allocator's fragmentation with and without MD, and whether
+   Pa+cpu's host round trip is prefetched and exact, and what it costs in memory and time;
+5. bench: experiments/bench_engine.py at world 1, a few steps per system.
+
+Prints a Markdown block (the README's "GPU check" section takes it as is); exit code 1 if any
+check FAILs. Without CUDA it prints one line and exits 0. Ranks are started with `spawn`
+(CUDA does not survive `fork`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from experiments import bench_engine
+from experiments.gpu_check import zero_r_rows as zero_r
+from experiments.gpu_check.common import BUDGET_S, SKIPPED, attempt, error_line, make_point, safe_row, verdict
+from experiments.gpu_check.engine_rows import (BIG_MICRO_BATCH, BIG_MODEL, PARITY, STAGE_MODEL, big_row, device_rank,
+                                               parity_distance, parity_run, point_row)
+from experiments.launch import RankFailed, spawn
+from experiments.points import resolve_precision
+from experiments.run.real import train_rank
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rehearse", action="store_true", help="run on CPU at CPU sizes (tests the script)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.rehearse:
+        print(SKIPPED)
+        return 0
+    deadline = time.monotonic() + BUDGET_S
+    left = lambda cap: max(10.0, min(cap, deadline - time.monotonic()))  # noqa: E731
+
+    rows: list[tuple[str, str, str, str]] = []
+    stages = [0, 1, 2, 3]
+    precisions = ["bf16", "fp16"] if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else ["fp16"]
+    small = [(make_point(f"model={STAGE_MODEL}", f"stage={s}", f"train.precision={p}"), p)
+             for p in precisions for s in stages]
+    try:
+        [device] = spawn(device_rank, 1, [(pt.as_dict(), p) for pt, p in small], stages, start_method="spawn",
+                         timeout=left(150))
+    except RankFailed as e:
+        failed = {"ok": False, "error": str(e)}
+        device = {"backend": "?", "points": [failed] * len(small), "parity": failed}
+    where = f"{device['backend']}, world 1"
+    rows += [safe_row(name, point_row, name, outcome, pt, p) for (pt, p), outcome in zip(small, device["points"])
+             for name in [f"{STAGE_MODEL} stage {pt.stage} {p} ({where})"]]
+
+    try:
+        [cpu] = spawn(attempt, 1, parity_run, stages, "cpu", backend="gloo", start_method="spawn", timeout=left(90))
+    except RankFailed as e:
+        cpu = {"ok": False, "error": str(e)}
+    for stage in stages:
+        name = f"parity fp32 stage {stage} (TinyGPT, {PARITY['steps']} steps, {where} vs CPU gloo)"
+        bounds = f"update distance <= {PARITY['update_bound']:g}, losses within {PARITY['loss_bound']:g}"
+        if not (cpu["ok"] and device["parity"]["ok"]):
+            rows.append((name, error_line((cpu if not cpu["ok"] else device["parity"])["error"]), bounds, "FAIL"))
+            continue
+        d = parity_distance(cpu["value"][stage], device["parity"]["value"][stage])
+        rows.append((name, f"update distance {d['update_rel']:.2e}, max abs param diff {d['max_abs']:.2e}, "
+                           f"max loss diff {d['loss_abs']:.2e}", bounds,
+                     verdict(d["update_rel"] <= PARITY["update_bound"], d["loss_abs"] <= PARITY["loss_bound"])))
+
+    big_model = BIG_MODEL if torch.cuda.is_available() else "tiny_l"
+    precision = resolve_precision("auto")  # bf16 where the GPU has it (H100, H200), fp16 on a V100
+    big = make_point(f"model={big_model}", "stage=2", f"micro_batch={BIG_MICRO_BATCH}", f"train.precision={precision}",
+                     "train.recompute=true", "train.warmup_steps=2", "train.steps=5")
+    try:
+        [outcome] = spawn(attempt, 1, train_rank, big.as_dict(), precision, start_method="spawn", timeout=left(150))
+    except RankFailed as e:
+        outcome = {"ok": False, "error": str(e)}
+    rows.append(safe_row(f"{big_model} point", big_row, outcome, big, precision))
+
+    runs = zero_r.zero_r_points(make_point, big_model, BIG_MICRO_BATCH, precision)
+    try:
+        [outcomes] = spawn(zero_r.zero_r_rank, 1, {n: p.as_dict() for n, p in runs.items()}, precision,
+                           start_method="spawn", timeout=left(180))
+    except RankFailed as e:
+        outcomes = {name: {"ok": False, "error": str(e)} for name in runs}
+    label = f"{big_model}, micro-batch {BIG_MICRO_BATCH}, {precision}"
+    rows.append(safe_row("MD fragmentation", zero_r.md_row, outcomes, label))
+    rows.append(safe_row("Pa+cpu prefetch and cost", zero_r.overlap_row, outcomes, label))
+
+    systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
+    try:
+        times = bench_engine.run(systems, world=1, warmup=2, steps=5, repeats=1, timeout=left(60))
+        medians = ", ".join(f"{n} {1e3 * sorted(t)[len(t) // 2]:.1f}" for n, t in times.items())
+        rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", f"median ms/step: {medians}", "runs", "PASS"))
+    except (RankFailed, SystemExit) as e:
+        rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", error_line(str(e)), "runs", "FAIL"))
+
+    hw = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU rehearsal (no CUDA)"
+    print(f"### GPU check: {hw}, torch {torch.__version__}, CUDA {torch.version.cuda}, {time.strftime('%Y-%m-%d')}\n")
+    print("| check | measured | expected | verdict |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    failed = sum(row[3] != "PASS" for row in rows)
+    print(f"\n{len(rows) - failed}/{len(rows)} checks pass, {BUDGET_S - (deadline - time.monotonic()):.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The one place a point's model, engine and tokens are built: the real run (real.py) and the
+simulated rank (fake.py) both call these, so a change to how a point is built is one edit."""
+from __future__ import annotations
+
+import torch
+
+import zero_impl
+from experiments.models.megatron_gpt import build_gpt, megatron_param_init_fn, parameter_count
+from experiments.models.tiny_gpt import synthetic_tokens
+from experiments.points import Point
+
+META_BUILD_PARAMS = 1e9  # stage 3 builds models above this size on the meta device, unit by unit
+
+
+def build_model(point: Point, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The model and stage 3's param_init_fn. Every parameter is drawn from (train.seed, its
+    name), whole on every TP rank, which keeps its slice: the meta build materialized unit by
+    unit starts from the same weights as the eager one (megatron_gpt's docstring). The eager
+    build is in the training dtype `dtype`, so no full fp32 copy of the model ever exists; the
+    engine then re-points its parameters into its buffers bucket by bucket."""
+    recompute, seed = point.train["recompute"], point.train["seed"]
+    if point.stage == 3 and parameter_count(point.shape, point.tp) > META_BUILD_PARAMS:
+        with torch.device("meta"):
+            model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
+        return model, megatron_param_init_fn(model, seed)
+    model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
+    # built on the CPU; moved unless that is the device (nn.Module.to cannot swap the fake
+    # parameters of a simulation, experiments/run/fake.py)
+    return (model if device.type == "cpu" else model.to(device)), None
+
+
+def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn, dp_group, tp_group,
+                   **adamw) -> zero_impl.ZeroEngine:
+    """`model` in the point's engine: its ZeroConfig, and the paper's AdamW (weight decay on
+    matrices only; `adamw` adds options, e.g. foreach) over ZeRO's data-parallel group."""
+    t = point.train
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
+              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    config = zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
+                                  **point.zero)
+    return zero_impl.initialize(model, config, optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999),
+                                                                                    **adamw),
+                                param_groups=groups, dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
+
+
+def micro_batch_tokens(point: Point, step: int, micro: int, dp_rank: int) -> torch.Tensor:
+    """The synthetic tokens of one micro-batch of one data-parallel rank: the same on any run."""
+    t = point.train
+    seed = (t["seed"] * 1_000_003 + step * t["grad_accum_steps"] + micro) * 4099 + dp_rank
+    return synthetic_tokens(point.micro_batch, point.shape.seq_len + 1, point.shape.vocab_size, seed)

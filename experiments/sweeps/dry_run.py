@@ -1,0 +1,34 @@
+"""sweep.py dry_run=true: the points an experiment would run, with their predicted memory per GPU."""
+from __future__ import annotations
+
+from experiments.models.megatron_gpt import parameter_count
+from experiments.points import Point, local_devices, predicted_memory_bytes
+from experiments.sweeps.summary import format_bytes
+
+
+def dry_run(points: list[Point]) -> None:
+    """List the points with their shapes, GPU counts and predicted peak memory per GPU (model
+    states, activations of the micro-batch, engine buffers: points.predicted_memory_bytes); a
+    point fits when the total is within the cluster's device_memory_gb (x 1e9 bytes, as the
+    paper's Table 2). Run nothing."""
+    print("memory per GPU: the larger of backward's Table 1 model states + activations (Korthikanti et al. 2022, "
+          "dropout masks counted, checkpoints replicated over TP unless the point's ZeRO-R Pa partitions them, on "
+          "the host with Pa+cpu) + engine buffers, and the optimizer step's model states + its temporaries; 'fits' "
+          "against cluster.device_memory_gb")
+    print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | micro-batch | recompute "
+          "| model states/GPU | activations/GPU | buffers/GPU | step temporaries/GPU | total/GPU | fits device "
+          "| runnable here |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|")
+    for p in points:  # described for the target cluster's GPUs: "auto" means half precision there
+        precision = p.train["precision"] if p.train["precision"] != "auto" else "fp16"
+        predicted = predicted_memory_bytes(p, precision)
+        device_gb = p.cluster["device_memory_gb"]
+        fits = "-" if device_gb is None else ("yes" if predicted["total"] <= device_gb * 1e9 else "no")
+        here = "yes" if p.gpus <= local_devices(p.cluster)[0] else "no"
+        print(f"| {p.point_id} | {p.shape.layers} | {p.shape.hidden} | {p.shape.heads} "
+              f"| {parameter_count(p.shape, p.tp) / 1e9:.3f} | {p.gpus} "
+              f"| {p.tp} | {p.dp} | {p.stage} | {p.global_batch} | {p.micro_batch} "
+              f"| {'yes' if p.train['recompute'] else 'no'} | {format_bytes(predicted['model_states'])} "
+              f"| {format_bytes(predicted['activations'])} | {format_bytes(predicted['buffers'])} "
+              f"| {format_bytes(predicted['step_temporaries'])} | {format_bytes(predicted['total'])} "
+              f"| {fits} | {here} |")

@@ -1,0 +1,69 @@
+"""sweep.py simulate=true: every point of an experiment simulated at its true world size, each
+in a child process of its own (experiments/run/fake.py plays one rank), a few at a time."""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+
+from experiments import records
+from experiments.launch import ChildPool
+from experiments.points import Point
+from experiments.run.fake import check_simulate_rank, is_gpu_cluster, simulate_point, simulated_precision
+from experiments.run.record import simulated_path, simulated_record
+from experiments.sweeps.summary import simulated_summary_markdown, simulated_summary_rows, write_summary_csv
+
+
+def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
+                  on_done=None) -> list[dict]:
+    """Simulate `points`, each in a process of its own (forked), `workers` at a time (default:
+    the CPU count); write each record to results_dir/simulated/<point_id>.json as it ends."""
+    pool = ChildPool(workers, what="simulation")
+    pending, started, out = list(points), {}, {}
+    while pending or pool.running:
+        while pending and pool.free:
+            point = pending.pop(0)
+            started[point.point_id] = (point, simulated_precision(point), records.now())
+            simulate = functools.partial(simulate_point, foreach=True if is_gpu_cluster(point) else None)
+            pool.submit(point.point_id, point.train["timeout_s"], simulate, point.as_dict(),
+                        started[point.point_id][1], rank)
+        for point_id, ok, payload in pool.finished():
+            point, precision, began = started[point_id]
+            result, error = (payload, None) if ok else (None, payload)
+            record = simulated_record(point, precision, result, error, began, rank)
+            if error and "timed out" in error:
+                record["status"] = "timeout"
+            records.write_record(simulated_path(results_dir, point), record)
+            out[point_id] = record
+            if on_done:
+                on_done(point, record)
+    return [out[p.point_id] for p in points]
+
+
+def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int = 0,
+                        force: bool = False) -> int:
+    """sweep.py simulate=true: every point simulated (those with an ok simulated record skipped
+    unless force), records under results_dir/simulated/, a summary printed and written there."""
+    check_simulate_rank(points, rank)
+    todo = []
+    for point in points:
+        existing = records.read_record(simulated_path(results_dir, point))
+        if existing and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank and not force:
+            print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
+        else:
+            todo.append(point)
+    started = time.perf_counter()
+
+    def done(point: Point, record: dict) -> None:
+        wall = (record.get("simulation") or {}).get("wall_s")
+        print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else ""), file=sys.stderr, flush=True)
+
+    run_simulated(todo, results_dir, rank=rank, workers=workers or None, on_done=done)
+    rows = simulated_summary_rows(points, results_dir)
+    print(simulated_summary_markdown(rows))
+    if rows:
+        write_summary_csv(rows, results_dir / "simulated" / "summary.csv")
+    print(f"simulated {len(todo)} points in {time.perf_counter() - started:.0f} s (rank {rank}); "
+          f"records and summary.csv in {results_dir / 'simulated'}")
+    return 0

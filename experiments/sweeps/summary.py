@@ -1,0 +1,121 @@
+"""The summaries a sweep prints and writes beside its records: the measured grid's Table-5-style
+table, the simulated points' table, and the largest-model search's table."""
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+from experiments import records
+from experiments.points import Point
+from experiments.reports.tables import peak_breakdown_gb
+from experiments.run.record import MEASURED_BY, simulated_path
+
+
+def summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
+    rows = []
+    for point in points:
+        record = records.read_record(results_dir / f"{point.point_id}.json") or {}
+        memory = record.get("memory", {})
+        comm = record.get("comm", {})
+        gb = 1e9
+        rows.append({
+            "model": point.model["name"], "params_B": round(record.get("params", 0) / 1e9, 4),
+            "gpus": point.gpus, "tp": point.tp, "dp": point.dp, "stage": point.stage,
+            "batch": point.global_batch, "tflops_per_gpu": record.get("tflops_per_gpu"),
+            "mem_pred_GB": memory.get("predicted", {}).get("total", 0) / gb,
+            "mem_meas_GB": memory.get("measured_max_over_ranks", {}).get("total", 0) / gb if record.get("status") == "ok" else None,
+            "peak_GB": memory.get("measured_max_over_ranks", {}).get("peak_bytes", 0) / gb if record.get("status") == "ok" else None,
+            "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
+            "status": record.get("status", "missing"), "point_id": point.point_id})
+    return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    print("| model | params (B) | GPUs | TP | DP | stage | batch | TFLOPs/GPU | model states/GPU pred | meas "
+          "| peak/GPU | comm/step | theory | status |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        tflops = f"{r['tflops_per_gpu']:.4f}" if r["tflops_per_gpu"] is not None else "-"
+        meas = format_bytes(r["mem_meas_GB"] * 1e9) if r["mem_meas_GB"] is not None else "-"
+        peak = format_bytes(r["peak_GB"] * 1e9) if r["peak_GB"] else "-"
+        comm = f"{r['comm_elements']:,}" if r["comm_elements"] is not None else "-"
+        theory = f"{r['comm_theory']:,}" if r["comm_theory"] is not None else "-"
+        print(f"| {r['model']} | {r['params_B']:.4f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['batch']} "
+              f"| {tflops} | {format_bytes(r['mem_pred_GB'] * 1e9)} | {meas} | {peak} | {comm} | {theory} | {r['status']} |")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes as the summaries print them: 2.00 GB, 3.10 MB, 512 B."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def write_summary_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def simulated_summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
+    rows = []
+    for point in points:
+        r = records.read_record(simulated_path(results_dir, point)) or {}
+        mem, comm = r.get("memory", {}), r.get("comm", {})
+        gb = 1e9
+        breakdown = peak_breakdown_gb(mem)
+        rows.append({
+            "model": point.model["name"], "params_B": round(r.get("params", 0) / gb, 3), "gpus": point.gpus,
+            "tp": point.tp, "dp": point.dp, "stage": point.stage, "micro_batch": point.micro_batch,
+            "note": point.note, "precision": r.get("precision"),
+            "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
+            "states_GB": breakdown.pop("model_states_GB"), **breakdown,
+            "peak_phase": mem.get("peak_phase"),
+            "analytic_GB": mem.get("predicted_peak", {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
+            "reserve_GB": mem.get("cuda_reserve_bytes", 0) / gb if "peak_bytes" in mem else None,
+            "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
+            "cause": mem.get("cause") if r.get("status") == "oom" else None,
+            "zero_r": "/".join(n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
+                                              ("contiguous_memory_optimization", "MD")) if point.zero.get(k)) or "-",
+            "comm_elements": comm.get("dp_elements_per_step", comm.get("elements_per_step")),
+            "comm_theory": comm.get("theory_elements_per_step"),
+            "tp_elements": (comm.get("tp_megatron") or {}).get("elements_per_step"),
+            "tp_theory": (comm.get("tp_megatron") or {}).get("theory_elements_per_step"),
+            "status": r.get("status", "missing"), "measured_by": r.get("measured_by", MEASURED_BY),
+            "sim_wall_s": (r.get("simulation") or {}).get("wall_s"), "point_id": point.point_id})
+    return rows
+
+
+def simulated_summary_markdown(rows: list[dict]) -> str:
+    def num(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+    lines = ["| model | params (B) | GPUs | TP | DP | stage | ZeRO-R | micro-batch | peak (GB, simulated) | states "
+             "| activations | buffers | temporaries | analytic (GB) | + reserve | device | status | cause | DP comm/step "
+             "| theory | TP comm/step | TP theory |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['params_B']:.3f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['zero_r']} "
+            f"| {r['micro_batch']} | {num(r['peak_GB'])} | {num(r['states_GB'])} | {num(r['activations_GB'])} "
+            f"| {num(r['buffers_GB'])} | {num(r['temporaries_GB'])} | {num(r['analytic_GB'])} | {num(r['reserve_GB'])} "
+            f"| {num(r['device_GB'], '{:.0f}')} | {r['status']} | {r['cause'] or '-'} "
+            f"| {num(r['comm_elements'], '{:,}')} | {num(r['comm_theory'], '{:,}')} "
+            f"| {num(r['tp_elements'], '{:,}')} | {num(r['tp_theory'], '{:,}')} |")
+    return "\n".join(lines)
+
+
+def largest_markdown(results: list[dict]) -> str:
+    lines = ["| experiment | stage | MP | GPUs | micro-batch | family (h, heads) | analytic max | simulated max "
+             "| simulations | paper |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    for r in results:
+        sims = ", ".join(f"{s['layers']}{'✓' if s['fits'] else '✗'}" for s in r["simulations"])
+        lines.append(f"| {r['experiment']} | {r['stage']} | {r['tp']} | {r['gpus']} | {r['micro_batch']} "
+                     f"| {r['hidden']}, {r['heads']} | {r['analytic_max_params'] / 1e9:.2f}B ({r['analytic_max_layers']} L) "
+                     f"| {r['simulated_max_params'] / 1e9:.2f}B ({r['simulated_max_layers']} L) | {sims} | {r['paper']} |")
+    return "\n".join(lines)
