@@ -2,7 +2,7 @@
 
 A block names its source file, optionally the columns to keep, the rows to keep and their order:
 
-    <!-- generated: results/reference/reports/fig6/largest.md columns=zero_r,family,simulated_max_B where=stage:Pos -->
+    <!-- generated: results/reference/reports/fig6/largest.md columns=zero_r,family,simulated_max_B; where=stage:Pos -->
     | zero_r | family | simulated_max_B |
     ...
     <!-- end generated -->
@@ -19,8 +19,7 @@ from pathlib import Path
 
 from experiments.records import REPO
 
-BLOCK = re.compile(r"(<!-- generated: (?P<path>\S+)(?P<options>(?: \w+=\S+)*) -->\n)(?P<body>.*?)(<!-- end generated -->)",
-                   re.S)
+BLOCK = re.compile(r"(<!-- generated: (?P<path>\S+)(?P<options>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 DOCUMENTS = ("README.md", "docs/*.md")
 
 
@@ -38,10 +37,10 @@ def _order(cell: str) -> tuple:
 
 def render(path: str, options: str = "") -> str:
     """The body a block pastes: the file itself, or a Markdown table's chosen columns and rows
-    (columns=a,b,c in that order; where=column:value, repeatable, keeps the rows that match;
-    sort=a,b orders the rows by those columns)."""
+    (options separated by "; ": columns=a,b,c in that order; where=column:value, repeatable,
+    keeps the rows that match; sort=a,b orders the rows by those columns)."""
     text = (REPO / path).read_text()
-    opts = [o.split("=", 1) for o in options.split()]
+    opts = [o.strip().split("=", 1) for o in options.split(";") if o.strip()]
     if not opts:
         return text
     header, _, *rows = text.rstrip("\n").split("\n")

@@ -41,7 +41,7 @@ def test_every_pasted_block_equals_its_generated_file():
 
 
 def test_pasted_blocks_select_columns_and_rows():
-    body = pasted.render("results/reference/reports/fig6/largest.md", "columns=zero_r,simulated_max_layers where=zero_r:C4")
+    body = pasted.render("results/reference/reports/fig6/largest.md", "columns=zero_r,simulated_max_layers; where=zero_r:C4")
     assert body.splitlines() == ["| zero_r | simulated_max_layers |", "|---|---|", "| C4 | 192 |"]
     with pytest.raises(ValueError, match="no column 'nope'"):
         pasted.render("results/reference/reports/fig6/largest.md", "columns=nope")
