@@ -14,7 +14,8 @@ once.
 Initialization (one design for eager and meta-device builds): every parameter is drawn by
 megatron's own init method for its role, from a generator seeded by (seed, its qualified name),
 as megatron's CPU initialization draws it: the full TP=1-shaped weight on every TP rank, which
-keeps its slice (`_initialize_affine_weight_cpu`). Roles (`param_role`, by attribute name, for
+keeps its slice (`_initialize_affine_weight_cpu`), here in chunks of rows on the parameter's own
+device (`init_parameter`). Roles (`param_role`, by attribute name, for
 the local and the Transformer Engine layer specs alike):
 
     word / position embeddings          config.embedding_init_method   (N(0, 0.02))
@@ -35,6 +36,7 @@ Megatron's model-parallel RNG tracker (per-TP-rank streams) is left to dropout i
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,7 +51,6 @@ with warnings.catch_warnings():  # megatron-core announces every optional CUDA k
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
     from megatron.core.transformer import TransformerConfig
 
 from .megatron_cpu import apply_cpu_workarounds
@@ -258,14 +259,23 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
 
 
+# One chunk of a weight's draw: 64 MB of fp32, all that initializing a parameter holds beyond it.
+DRAW_CHUNK_ELEMENTS = 2 ** 24
+
+
 @torch.no_grad()
 def init_parameter(param: torch.Tensor, name: str, config: TransformerConfig, seed: int,
                    tp_rank: int | None = None, tp_size: int | None = None) -> None:
     """Initialize one parameter (this TP rank's part of it) in place, by its role.
 
-    A drawn parameter is drawn whole (TP=1 shape) on the CPU from a generator seeded by
-    `parameter_seed(seed, name)` with megatron's init method for the role; a TP-sharded one
-    goes through megatron's `_initialize_affine_weight_cpu`, which keeps this rank's slice.
+    A drawn parameter is drawn whole, in its TP=1 shape, with megatron's init method for the
+    role, on the parameter's own device (a GPU's for a model built there), from that device's
+    generator seeded by `parameter_seed(seed, name)`: chunks of whole rows in a fixed order,
+    each TP rank keeping the rows or columns of its slice as megatron's
+    `_initialize_affine_weight_cpu` splits the weight (`_slice_pieces`). Memory beyond the
+    parameter is one chunk, not the full weight. On the CPU the values are bit for bit those of
+    one draw of the full weight, megatron's CPU initialization (`_row_chunks`); on a GPU they
+    come from its Philox generator: the same on every rank of a job (same chunks, same order).
     """
     role = param_role(name)
     if role.fill == "ones":
@@ -280,20 +290,57 @@ def init_parameter(param: torch.Tensor, name: str, config: TransformerConfig, se
     if getattr(param, "tensor_model_parallel", False) and param.partition_dim != role.partition_dim:
         raise ValueError(f"{name}: megatron shards it along dim {param.partition_dim}, its role says "
                          f"{role.partition_dim}")
+    if param.dim() != 2:
+        raise ValueError(f"{name}: a drawn parameter is a 2-D weight, this one has shape {tuple(param.shape)}")
+    dim = role.partition_dim
+    rows, cols = param.shape
+    if dim is not None:  # (start, end, local start) along dim of the full weight's pieces this rank keeps
+        pieces = _slice_pieces(param.shape[dim] * tp_size, param.shape[dim], getattr(param, "partition_stride", 1),
+                               tp_rank, tp_size)
+        rows, cols = (rows * tp_size, cols) if dim == 0 else (rows, cols * tp_size)
     init_method = getattr(config, role.init)
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        torch.default_generator.manual_seed(parameter_seed(seed, name))
-        if role.partition_dim is None:
-            master = torch.empty(param.shape, dtype=torch.float32)
-            init_method(master)
-            param.copy_(master)
-        else:
-            full = list(param.shape)
-            full[role.partition_dim] *= tp_size
-            _initialize_affine_weight_cpu(param, full[0], full[1], param.shape[role.partition_dim],
-                                          role.partition_dim, init_method,
-                                          stride=getattr(param, "partition_stride", 1), params_dtype=param.dtype,
-                                          rank=tp_rank, world_size=tp_size, skip_set_tensor_parallel_attributes=True)
+    device = param.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        generator = torch.cuda.default_generators[device.index] if device.type == "cuda" else torch.default_generator
+        generator.manual_seed(parameter_seed(seed, name))
+        for r0, r1 in _row_chunks(rows, cols):
+            chunk = torch.empty(r1 - r0, cols, dtype=torch.float32, device=device)
+            init_method(chunk)  # drawn in fp32 and rounded once to the parameter's dtype, as megatron does
+            if dim is None:
+                param[r0:r1].copy_(chunk)
+            elif dim == 1:
+                for f0, f1, local in pieces:
+                    param[r0:r1, local:local + f1 - f0].copy_(chunk[:, f0:f1])
+            else:
+                for f0, f1, local in pieces:
+                    a, b = max(f0, r0), min(f1, r1)
+                    if a < b:
+                        param[local + a - f0:local + b - f0].copy_(chunk[a - r0:b - r0])
+
+
+def _slice_pieces(full: int, per_partition: int, stride: int, tp_rank: int, tp_size: int) -> list[tuple[int, int, int]]:
+    """Megatron's split of a dimension of `full` (`_initialize_affine_weight_cpu`): pieces of
+    per_partition / stride, dealt round-robin to the TP ranks; this rank's as (start, end, start
+    in its slice)."""
+    size = per_partition // stride
+    return [(p * size, (p + 1) * size, (p // tp_size) * size) for p in range(tp_rank, full // size, tp_size)]
+
+
+def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """Row ranges of a (rows, cols) weight, about DRAW_CHUNK_ELEMENTS each, drawn in order. torch's
+    CPU normal_ fills blocks of 16 values and redraws the last 16 of a draw whose size is not a
+    multiple of 16: chunks of a multiple of 16 elements, and a last one of at least 16, give the
+    values of one draw of the whole weight."""
+    step = 16 // math.gcd(cols, 16)  # rows per multiple of 16 elements
+    per_chunk = max(step, DRAW_CHUNK_ELEMENTS // cols // step * step)
+    chunks, r0 = [], 0
+    while r0 < rows:
+        r1 = min(rows, r0 + per_chunk)
+        if 0 < (rows - r1) * cols < 16:  # a short tail joins this last chunk
+            r1 = rows
+        chunks.append((r0, r1))
+        r0 = r1
+    return chunks
 
 
 def init_megatron_params(model: torch.nn.Module, seed: int = INIT_SEED) -> None:
