@@ -220,14 +220,14 @@ def run_as_rank(point: Point, results_dir: Path, launcher: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != point.gpus:
         raise ConfigError(f"gpus={point.gpus} but the launcher started {world} ranks")
+    if torch.cuda.is_available():  # first: resolve_precision asks the current device (no context on GPU 0)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     precision = resolve_precision(point.train["precision"])
     path = results_dir / point.experiment / f"{point.point_id}.json"
     started = records.now()
     root = checkpoint_root(point, results_dir / point.experiment)
     pending = PendingTimeout(path, build_record(point, precision, launcher, "timeout", None, "", started)) \
         if rank == 0 and os.environ.get("ZERO_REPRO_STOP_FILE") else None
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         result = train_rank(with_checkpoint_dir(point, results_dir / point.experiment), precision, on_step=pending)

@@ -24,3 +24,28 @@ def test_explicit_and_cpu_precisions(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_precision("auto") == "fp32"
     assert [resolve_precision(p) for p in ("fp16", "bf16", "fp32")] == ["fp16", "bf16", "fp32"]
+
+
+def test_a_rank_resolves_its_precision_after_set_device(compose, monkeypatch, tmp_path):
+    from experiments.points import expand
+    from experiments.run import real
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(real, "resolve_precision", lambda p: calls.append(("resolve_precision", p)) or "bf16")
+    monkeypatch.setattr(real.dist, "init_process_group", init_process_group)
+    monkeypatch.delenv("ZERO_REPRO_STOP_FILE", raising=False)
+    for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(key, value)
+    [point] = expand(compose("experiment=cpu_default", "model=tiny_s", "stage=2", "gpus=4", "tp=1", "micro_batch=2"))[:1]
+    with pytest.raises(Stop):
+        real.run_as_rank(point, tmp_path, "torchrun")
+    assert calls == [("set_device", 3), ("resolve_precision", "auto")]
