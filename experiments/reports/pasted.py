@@ -35,6 +35,19 @@ def _order(cell: str) -> tuple:
         return (1, 0.0, cell)
 
 
+def _columns(value: str, names: list[str], path: str) -> list[str]:
+    """`a,b,c` as column names; a name holding a comma ("DeepSpeed figure, APPROX") is matched whole."""
+    keep, pending = [], ""
+    for piece in value.split(","):
+        pending = f"{pending},{piece}" if pending else piece
+        if pending in names:
+            keep.append(pending)
+            pending = ""
+    if pending:
+        raise ValueError(f"{path} has no column {pending!r} (columns: {', '.join(names)})")
+    return keep
+
+
 def render(path: str, options: str = "") -> str:
     """The body a block pastes: the file itself, or a Markdown table's chosen columns and rows
     (options separated by "; ": columns=a,b,c in that order; where=column:value, repeatable,
@@ -49,10 +62,7 @@ def render(path: str, options: str = "") -> str:
     keep = names
     for key, value in opts:
         if key == "columns":
-            keep = value.split(",")
-            unknown = [c for c in keep if c not in names]
-            if unknown:
-                raise ValueError(f"{path} has no column {unknown[0]!r} (columns: {', '.join(names)})")
+            keep = _columns(value, names, path)
         elif key == "where":
             column, wanted = value.split(":", 1)
             table = [row for row in table if row.get(column) == wanted]

@@ -93,9 +93,10 @@ def test_the_guides_are_not_a_change_log():
     assert not found, f"change-log wording: {found}"
 
 
-# A measured quantity in prose: a decimal number with a unit. Each must be a number of a
-# reference report, to the digits it is quoted with (constants of configs are whole numbers).
-QUANTITY = re.compile(r"(?<![\w.])(\d+\.\d+) ?(GB|MB|B\b|TFLOPs|PFLOPs|ms\b|x\b|%)")
+# A result quoted in prose: a decimal number of bytes, parameters, FLOPs, time or a ratio (link
+# rates, GB/s, are the cluster configs' constants). Each must be a number of a reference report,
+# to the digits it is quoted with: within half a unit of its last digit, as rounding leaves it.
+QUANTITY = re.compile(r"(?<![\w.])(\d+\.\d+) ?(GB(?!/)|MB|B\b|TFLOPs|PFLOPs|ms\b|x\b|%)")
 
 
 def reference_numbers() -> list[float]:
