@@ -18,15 +18,15 @@ def build_model(point: Point, device: torch.device, dtype: torch.dtype = torch.f
     unit starts from the same weights as the eager one (megatron_gpt's docstring). The eager
     build is in the training dtype `dtype`, so no full fp32 copy of the model ever exists; the
     engine then re-points its parameters into its buffers bucket by bucket."""
-    recompute, seed = point.train["recompute"], point.train["seed"]
+    recompute, seed, spec = point.train["recompute"], point.train["seed"], point.train["layer_spec"]
     if point.stage == 3 and parameter_count(point.shape, point.tp) > META_BUILD_PARAMS:
         with torch.device("meta"):
-            model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
+            model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype, layer_spec=spec)
         return model, megatron_param_init_fn(model, seed)
-    model = build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype)
-    # built on the CPU; moved unless that is the device (nn.Module.to cannot swap the fake
-    # parameters of a simulation, experiments/run/fake.py)
-    return (model if device.type == "cpu" else model.to(device)), None
+    # built on the device, so each weight is drawn there in chunks (megatron_gpt.init_parameter),
+    # not on the host (a simulation's device is the CPU: its fake tensors stand for the GPU's)
+    with torch.device(device):
+        return build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype, layer_spec=spec), None
 
 
 def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn, dp_group, tp_group,

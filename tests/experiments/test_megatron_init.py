@@ -81,7 +81,7 @@ def _train_build(tp: int) -> bool:
     from experiments.run import build
     dp_group, tp_group = initialize_parallel(tp)
     build.META_BUILD_PARAMS = 0
-    point = SimpleNamespace(stage=3, shape=SHAPE, tp=tp, train={"recompute": False, "seed": SEED})
+    point = SimpleNamespace(stage=3, shape=SHAPE, tp=tp, train={"recompute": False, "seed": SEED, "layer_spec": "local"})
     meta, init_fn = build.build_model(point, torch.device("cpu"))
     assert init_fn is not None and all(p.is_meta for p in meta.parameters())
     engine = zero_impl.initialize(meta, zero_impl.ZeroConfig(stage=3), optimizer=lambda g: torch.optim.AdamW(g),
