@@ -3,6 +3,11 @@
 Counting convention (the README's "Accounting"): a reduce-scatter counts its full input, an all-gather its full
 output, an all-reduce twice its size. With it, DP and ZeRO stages 1-2 move 2Ψ elements per step
 and stage 3 moves 3Ψ, the numbers of the paper's Section 7.
+
+Every collective here takes flat tensors (all_gather_into_tensor, reduce_scatter_tensor,
+all_reduce), behind which NCCL allocates nothing. None takes a list: ProcessGroupNCCL would
+flatten a list of all-gather outputs (or reduce-scatter inputs) into a hidden buffer of the
+whole output (input), kept by the Work until it is waited on and dropped.
 """
 from __future__ import annotations
 
@@ -119,12 +124,3 @@ class Communicator:
             return None
         self._record("all_gather", purpose, output.numel(), output)
         return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
-
-    def all_gather_into_views(self, outputs: list[torch.Tensor], input: torch.Tensor, purpose: str,
-                              async_op: bool = False):
-        """All-gather into one separate tensor per rank (for chunks that are not contiguous)."""
-        if self.size == 1:
-            outputs[0].copy_(input)
-            return None
-        self._record("all_gather", purpose, input.numel() * self.size, input)
-        return dist.all_gather(outputs, input, group=self.group, async_op=async_op)

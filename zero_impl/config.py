@@ -27,8 +27,9 @@ class ZeroConfig:
         contributions when micro-batches and ranks are summed), the precision's own otherwise.
     grad_accum_steps: micro-batches per optimizer step; `backward` divides the loss by it.
     clip_grad_norm: clip to this global L2 norm (0 = off).
-    reduce_bucket_size / allgather_bucket_size: elements per gradient bucket / per parameter
-        all-gather (DeepSpeed's names). Default 4e7, Megatron-core's bucket size, not DeepSpeed's
+    reduce_bucket_size / allgather_bucket_size: elements per gradient bucket / of the post-step
+        parameter all-gathers in flight at once, a larger bucket alone (DeepSpeed's names and
+        meaning: "elements all-gathered at a time"; flat_params.py). Default 4e7, Megatron-core's bucket size, not DeepSpeed's
         5e8: the stage-2 gradient staging then holds at most MAX_INFLIGHT_STAGING + 1 buckets
         (grad_reducer.py), a constant independent of the model (a single parameter larger than a
         bucket gets a bucket of its own), where 5e8 would stage the whole gradient of any model

