@@ -121,7 +121,8 @@ class ZeroEngine(nn.Module):
         return _cast_floats(out, torch.float32) if self.config.mixed_precision else out
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss` / grad_accum_steps (times the fp16 loss scale) and reduce gradients."""
+        """Backpropagate `loss` * fp16 loss scale / grad_accum_steps and reduce the gradients,
+        which the reducer averages over data-parallel ranks (grad_reducer.divide_factors)."""
         self._check_open()
         accum = self.config.grad_accum_steps
         boundary = (self.micro_steps + 1) % accum == 0
@@ -131,8 +132,12 @@ class ZeroEngine(nn.Module):
         if self.activations is not None:
             self.activations.begin_backward()
         try:
-            # Dividing by the DP size here turns the reducers' sums into averages at no extra cost.
-            (loss * (self.scaler.scale / (accum * self.dp.size))).backward()
+            # The whole loss scale in backward: dividing by the DP size here would run backward at
+            # scale / DP (512 at DP 128) and push small fp16 activation gradients into subnormals.
+            # The reducer divides by the DP size around the sum instead. The accumulation divide
+            # stays here (as DeepSpeed's and Megatron's): the micro-steps' gradients are summed in
+            # the reduce dtype, which must not grow with grad_accum_steps.
+            (loss * (self.scaler.scale / accum)).backward()
             self.grads.end_backward()
         except BaseException:
             self.grads.abandon_backward()

@@ -29,6 +29,26 @@ from .layout import Bucket, Slot
 MAX_INFLIGHT_STAGING = 2  # stages 2-3: staging buffers of launched but unfinished reduce-scatters
 
 
+def divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post): gradients enter the bucket divided by `pre` and the reduced sum is divided
+    by `post`, pre * post = world, so the reduction averages over the data-parallel ranks.
+
+    The loss scale stays whole in backward (engine.backward), so the division is here, around
+    the sum, as FSDP2 does (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    `_get_gradient_divide_factors`). In fp16, a sum of `world` gradients at full scale could
+    overflow (128 ranks at scale 65536), and dividing everything before the sum could flush
+    small ones into subnormals: divide by ~sqrt(world) (a power of two, exact) on each side.
+    fp32, bf16 and fp64 have fp32's range or more: no overflow, so everything after the sum.
+    The collective itself sums (ReduceOp.SUM, which gloo supports; NCCL's AVG is NCCL-only).
+    """
+    if dtype != torch.float16:
+        return 1.0, float(world)
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return float(pre), world / pre
+
+
 class BucketedGradReducer:
     """Owns gradient storage for stages 0-2 and the hooks that fill and reduce it."""
 
@@ -41,6 +61,7 @@ class BucketedGradReducer:
         self.on_bucket_complete = on_bucket_complete
         self.dtype, self.overlap, self.device = dtype, overlap, device
         self.slot_of = {id(s.param): s for s in slots}
+        self.pre_divide, self.post_divide = divide_factors(comm.size, dtype)
         total = buckets[-1].end if buckets else 0
         if stage < 2:
             self.full = torch.zeros(total, dtype=dtype, device=device)
@@ -91,7 +112,7 @@ class BucketedGradReducer:
             target, base = self.full, 0
         else:
             target, base = self._staging_for(bucket), bucket.start
-        target[slot.start - base:slot.end - base].add_(param.grad.view(-1))
+        target[slot.start - base:slot.end - base].add_(param.grad.view(-1), alpha=1 / self.pre_divide)
         param.grad = None
         if self.reducing and id(param) not in self.reported:
             self.reported.add(id(param))
@@ -115,11 +136,11 @@ class BucketedGradReducer:
         whole = slice(bucket.start, bucket.end)
         if self.stage == 0:
             work = self.comm.all_reduce(self.full[whole], purpose="grads", async_op=self.overlap)
-            self.inflight.append((work, None, None))
+            self.inflight.append((work, None, self.full[whole], None))
         elif self.stage == 1:
             work = self.comm.reduce_scatter(self.shard_grads[bucket.index], self.full[whole],
                                             purpose="grads", async_op=self.overlap)
-            self.inflight.append((work, None, None))
+            self.inflight.append((work, None, self.shard_grads[bucket.index], None))
         else:
             staging = self.staging.pop(bucket.index, None)
             if staging is None:  # no parameter of this bucket got a gradient: reduce zeros
@@ -128,7 +149,7 @@ class BucketedGradReducer:
             accumulate = not self.first_micro_step
             out = torch.empty_like(self.shard_grads[bucket.index]) if accumulate else self.shard_grads[bucket.index]
             work = self.comm.reduce_scatter(out, staging, purpose="grads", async_op=self.overlap)
-            self.inflight.append((work, staging, (bucket.index, out) if accumulate else None))
+            self.inflight.append((work, staging, out, self.shard_grads[bucket.index] if accumulate else None))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
         if work is None:  # blocking collective (or a world of one): done already
             self._finish_oldest()
@@ -136,12 +157,15 @@ class BucketedGradReducer:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        work, _staging, accumulate = self.inflight.popleft()
+        """Wait for the oldest reduction, average its sum (divide_factors) and, on a later
+        micro-step of stage 2-3, add it into the gradient shard."""
+        work, _staging, out, accumulate_into = self.inflight.popleft()
         if work is not None:
             work.wait()
-        if accumulate is not None:
-            index, out = accumulate
-            self.shard_grads[index].add_(out)
+        if self.post_divide != 1:
+            out.div_(self.post_divide)
+        if accumulate_into is not None:
+            accumulate_into.add_(out)
 
     def end_backward(self) -> None:
         """Reduce what is left (buckets with unused parameters) and wait for every collective."""
@@ -167,14 +191,14 @@ class BucketedGradReducer:
     def buffer_bytes(self) -> int:
         """Bytes of gradient staging buffers and reduce-scatter outputs alive right now."""
         alive = list(self.staging.values())
-        for _work, staging, accumulate in self.inflight:
-            alive += [t for t in (staging, accumulate and accumulate[1]) if t is not None]
+        for _work, staging, out, accumulate_into in self.inflight:
+            alive += [t for t in (staging, out if accumulate_into is not None else None) if t is not None]
         return sum(t.numel() * t.element_size() for t in alive)
 
     def abandon_backward(self) -> None:
         """After a backward that raised: finish what was launched, drop what was not, so the
         next backward starts clean (its first micro-step overwrites the stage-2/3 shards)."""
-        for work, _staging, _accumulate in self.inflight:
+        for work, *_buffers in self.inflight:
             if work is not None:
                 work.wait()
         self.inflight.clear()
