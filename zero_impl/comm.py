@@ -69,22 +69,31 @@ class CommLedger:
 class Communicator:
     """One process group (or none: a world of one) plus the ledger its traffic goes to.
 
-    With a single rank no collective is issued and nothing is counted: no data moves.
-    Without torch.distributed initialized, the world is this process alone.
+    With a single rank no collective is issued and nothing is counted: no data moves, and a
+    local copy stands for the collective. Without torch.distributed initialized, the world is
+    this process alone. `force` (ZeroConfig.force_collectives) sends even a group of one
+    through its backend, counted like any other call: on one GPU with NCCL, every collective
+    then runs on NCCL's stream, and every wait is a CUDA event the compute stream must honour,
+    as at any world size (a missing wait or a buffer freed too early shows up on one GPU).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, tag: str, solo: bool = False,
-                 check_order: bool = False) -> None:
+                 check_order: bool = False, force: bool = False) -> None:
         """`group` None is the default group; `solo` makes a world of one whatever the group;
-        `check_order` compares every collective across ranks before issuing it."""
+        `check_order` compares every collective across ranks before issuing it; `force` issues
+        every collective on the group even when it has one rank (never with `solo`)."""
         self.group = group
         self.ledger = ledger
         self.tag = tag
         self.check_order = check_order
         self.calls = 0
         active = not solo and dist.is_available() and dist.is_initialized()
+        if force and not solo and not active:
+            raise ValueError("ZeroConfig.force_collectives sends collectives through the process group: "
+                             "initialize torch.distributed first (a world of one is fine)")
         self.size = dist.get_world_size(group) if active else 1
         self.rank = dist.get_rank(group) if active else 0
+        self.local = self.size == 1 and not (force and active)  # no collective: a copy stands for it
 
     def _record(self, kind: str, purpose: str, elements: int, tensor: torch.Tensor) -> None:
         """Count a collective about to be issued; with check_order, first make sure every rank
@@ -102,14 +111,14 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, purpose: str, async_op: bool = False):
         """Sum `tensor` over the group, in place."""
-        if self.size == 1:
+        if self.local:
             return None
         self._record("all_reduce", purpose, 2 * tensor.numel(), tensor)
         return dist.all_reduce(tensor, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
         """Sum `input` over ranks; this rank receives its contiguous 1/size slice in `output`."""
-        if self.size == 1:
+        if self.local:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
@@ -118,7 +127,7 @@ class Communicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
         """Concatenate every rank's `input` into the flat `output` (in place when input is a view of it)."""
-        if self.size == 1:
+        if self.local:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None

@@ -51,6 +51,10 @@ class ZeroConfig:
         (DeepSpeed uses 1e5; 0 partitions everything, as the paper's Pos+g+p).
     check_collective_order: before every collective, check that all ranks of the group issue
         the same one, and raise naming the difference instead of hanging (slow; for debugging).
+    force_collectives: issue every collective through torch.distributed even in a world of one
+        (comm.Communicator), instead of the local copy that stands for it there, so one GPU runs
+        NCCL's streams, events and waits exactly as a real world does (make gpu-check); the
+        calls are counted in the traffic. Needs torch.distributed initialized.
 
     ZeRO-R (paper Section 6; DeepSpeed's activation_checkpointing names; activations.py). They act on
     the checkpoints of activation recomputation (a reentrant checkpoint per layer, as megatron-core's):
@@ -85,6 +89,7 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 0
     check_collective_order: bool = False
+    force_collectives: bool = False
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -116,8 +121,8 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig.{key} must be >= 0, got {getattr(self, key)!r}")
         if not self.min_loss_scale > 0:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}")
-        for key in ("overlap_comm", "check_collective_order", "partition_activations", "cpu_checkpointing",
-                    "contiguous_memory_optimization"):
+        for key in ("overlap_comm", "check_collective_order", "force_collectives", "partition_activations",
+                    "cpu_checkpointing", "contiguous_memory_optimization"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"ZeroConfig.{key} must be true or false, got {getattr(self, key)!r}")
         if self.cpu_checkpointing and not self.partition_activations:

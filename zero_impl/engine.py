@@ -41,9 +41,10 @@ class ZeroEngine(nn.Module):
         super().__init__()
         self.module, self.config = module, config
         self.ledger = CommLedger()
-        self.dp = Communicator(dp_group, self.ledger, "dp", check_order=config.check_collective_order)
+        self.dp = Communicator(dp_group, self.ledger, "dp", check_order=config.check_collective_order,
+                               force=config.force_collectives)
         self.mp = Communicator(mp_group, self.ledger, "mp", solo=mp_group is None,
-                               check_order=config.check_collective_order)
+                               check_order=config.check_collective_order, force=config.force_collectives)
         if config.partition_activations and mp_group is None:
             raise ValueError("ZeroConfig.partition_activations (Pa) partitions each activation checkpoint over the "
                              "model-parallel group: pass mp_group (the tensor-parallel group)")
