@@ -11,7 +11,9 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import math
 import re
+import time
 from dataclasses import asdict, dataclass, fields
 from functools import cache
 from pathlib import Path
@@ -24,7 +26,8 @@ from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, Ze
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
 from experiments.analysis.step_time import Hardware, inputs_from_point, predict
 from experiments.analysis.memory import model_state_bytes, optimizer_step_bytes
-from experiments.models.megatron_gpt import LAYER_SPECS, GPTShape, padded_vocab_size, parameters_per_tp_rank
+from experiments.models.megatron_gpt import (LAYER_SPECS, GPTShape, normal_draws_per_rank, padded_vocab_size,
+                                             parameters_per_tp_rank)
 
 from .schema import ModelConfig, TrainSettings, ZeroSettings
 
@@ -32,7 +35,8 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 AXES = ("model", "stage", "gpus", "tp", "micro_batch")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 FAULTS = ("none", "raise", "hang", "slow")
-NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir", "stop_signal_lead_s")  # train.* that leave results alone
+# train.* that leave results alone
+NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir", "stop_signal_lead_s")
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 
 
@@ -317,6 +321,34 @@ def check_checkpoint_fits(point: Point) -> None:
             f"train.stop_signal_lead_s={lead} (Slurm's --signal=B:USR1@{lead} in slurm/run_*.sh)"
             + ("; train.checkpoint_every adds a save in progress" if saves == 2 else "")
             + ": raise both lead times, or give the file system's real bandwidth")
+
+
+def cpu_normal_draws_per_s(elements: int = 2 ** 22) -> float:
+    """This host's fp32 normal draws per second, best of 3 (torch's CPU normal_ runs on one core)."""
+    values, best = torch.empty(elements), math.inf
+    for _ in range(3):
+        began = time.perf_counter()
+        values.normal_()
+        best = min(best, time.perf_counter() - began)
+    return elements / best
+
+
+def launch_plan(point: Point, cpu_draws_per_s: float) -> str:
+    """One line for the launcher's log, before any rank starts: what initialization draws per
+    rank and what that costs on the GPU (a bound: 4 bytes written per value at the datasheet's
+    cluster.hbm_gb_per_s) and on this host's CPU (`cpu_draws_per_s`, measured: a rank's cost
+    where it draws on the host), and one checkpoint's size and write time."""
+    draws = normal_draws_per_rank(point.shape, point.tp)
+    hbm = point.cluster.get("hbm_gb_per_s")
+    on_gpu = f">= {draws * 4 / (hbm * 1e9):.1f} s on the GPU (4 B per value at hbm_gb_per_s={hbm:g}), " if hbm else ""
+    line = (f"plan: init draws {draws:.3g} normal values per rank (every weight whole): {on_gpu}"
+            f"{draws / cpu_draws_per_s / 60:.1f} min on this host's CPU ({cpu_draws_per_s / 1e6:.0f} M/s measured, "
+            f"one core); a checkpoint is {checkpoint_bytes_per_rank(point) / 1e9:.2f} GB per rank")
+    save = checkpoint_seconds(point)
+    if save is None:
+        return line + " (cluster.checkpoint_write_gb_per_s unknown: its time is not checked)"
+    return (line + f", {save:.0f} s per save at checkpoint_write_gb_per_s={point.cluster['checkpoint_write_gb_per_s']:g} "
+            f"per node, within Slurm's {point.train['stop_signal_lead_s']} s warning")
 
 
 def resolve_precision(precision: str) -> str:

@@ -10,8 +10,10 @@ its helpers assume CUDA:
 3. (no patch) with no attention mask it builds its default causal mask on device "cuda": the
    model builder here always passes an explicit causal mask.
 
-Weights are built with `use_cpu_initialization=True`: the full weight is drawn on CPU and each
-tensor-parallel rank keeps its slice, so any TP degree starts from the same model.
+Weights are built with `use_cpu_initialization=True` (megatron allocates them on the default
+device, placing none on `torch.cuda.current_device()`), and drawn by name, whole, each
+tensor-parallel rank keeping its slice (megatron_gpt.init_parameter): any TP degree starts from
+the same model.
 """
 from __future__ import annotations
 

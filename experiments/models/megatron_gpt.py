@@ -106,6 +106,14 @@ def parameters_per_tp_rank(shape: GPTShape, tp: int) -> int:
     return (parameter_count(shape, tp) - duplicated) // tp + duplicated
 
 
+def normal_draws_per_rank(shape: GPTShape, tp: int) -> int:
+    """Normal values one rank draws to initialize the model: every drawn weight whole, in its
+    TP=1 shape, at any TP degree (`init_parameter`): the embeddings V·h + s·h (V padded for the
+    TP degree) and per layer 12h² (QKV 3h², projection h², MLP 8h²)."""
+    h = shape.hidden
+    return padded_vocab_size(shape.vocab_size, tp) * h + shape.seq_len * h + shape.layers * 12 * h * h
+
+
 def narayanan_eq2(shape: GPTShape) -> float:
     """Narayanan et al. 2021, Eq. 2: P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
     l, h = shape.layers, shape.hidden
@@ -136,8 +144,9 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
     recompute: activation recomputation with one checkpoint per layer, as the paper trains.
     seed: the weights' seed; each parameter is drawn from (seed, its name) (module docstring).
     layer_spec: one of LAYER_SPECS (`gpt_layer_spec`).
-    Built under `torch.device("meta")`, no memory is allocated and nothing is drawn (for
-    counting, or for stage 3's unit-by-unit materialization with `megatron_param_init_fn`).
+    Built on the default device: under `torch.device("cuda", i)` the weights are allocated and
+    drawn on that GPU; under `torch.device("meta")` no memory is allocated and nothing is drawn
+    (for counting, or for stage 3's unit-by-unit materialization with `megatron_param_init_fn`).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     shape.check_tp(tp)
@@ -172,7 +181,9 @@ def _transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.
     # fp16/bf16 as Megatron trains: its softmax then runs on scores upcast to fp32
     # (attention_softmax_in_fp32), and returns probabilities in the training dtype
     return TransformerConfig(params_dtype=dtype, fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
-        attention_softmax_in_fp32=True, num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        attention_softmax_in_fp32=True,
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        # megatron's "CPU" initialization allocates on the default device (no device= of its own)
         tensor_model_parallel_size=tp, use_cpu_initialization=True, init_method_std=INIT_STD,
         hidden_dropout=0.0, attention_dropout=0.0,
         recompute_granularity="full" if recompute else None,
