@@ -16,7 +16,7 @@
    Pa+cpu's host round trip is prefetched and exact, and what it costs in memory and time;
 5. bench: experiments/bench_engine.py at world 1, a few steps per system.
 
-Prints a Markdown block (the README's "GPU check" section takes it as is); exit code 1 if any
+Prints a Markdown block (docs/cluster_path.md takes it as is); exit code 1 if any
 check FAILs. Without CUDA it prints one line and exits 0. Ranks are started with `spawn`
 (CUDA does not survive `fork`).
 """

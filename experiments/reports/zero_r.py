@@ -4,7 +4,7 @@ beside what the paper says of it.
 The paper prints no GB values for Figure 7 (results/paper/README.md); Section 10.5 states three
 relations between its bars, which `fig7_statements` checks against our simulated peaks. Its bars
 are "maximum memory cached by PyTorch", ours the simulated rank's peak of allocated bytes (no
-allocator: see the README's "Simulation"), so a relation is compared, never a value.
+allocator: see docs/simulation.md), so a relation is compared, never a value.
 """
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ def test_fig7_tables_are_written_where_its_points_were_simulated(records):
     figure7 = load_records(REPO / "results" / "reference" / "runs", "fig7")
     built = build_tables(records + figure7)
     assert len(built["fig7_memory"]) == len(zero_r.fig7_records(figure7)) == 7
-    assert list(built["fig7_statements"].agrees) == [True, None, False, True]  # README's Figure 7 section
+    assert list(built["fig7_statements"].agrees) == [True, None, False, True]  # docs/zero_r.md, Figure 7
 
 
 def test_table2_reports_each_baseline_with_its_optimizer_step():
