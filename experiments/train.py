@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.cli import preflight_or_exit
-from experiments.points import ConfigError
+from experiments.points import ConfigError, cpu_normal_draws_per_s, launch_plan
 from experiments.run.fake import check_simulate_rank, simulate_and_record
 from experiments.run.real import point_from_train_config, run_as_rank
 from experiments.schema import register
@@ -57,6 +57,8 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
     point = point_from_train_config(cfg)
     if cfg.simulate:
         check_simulate_rank([point], cfg.simulate_rank)
+    elif os.environ.get("ZERO_REPRO_CHECK_ONLY") == "1":  # slurm/launch.sh's check, once per job: its plan
+        print(launch_plan(point, cpu_normal_draws_per_s()))
 
 
 if __name__ == "__main__":
