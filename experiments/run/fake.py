@@ -51,6 +51,7 @@ from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
 from experiments.points import ConfigError, Point, resolve_precision
 from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
 from experiments.run.collective_counter import CollectiveCounter
+from experiments.run.nccl_list_buffers import NcclListBuffers
 from experiments.run.record import simulated_path, simulated_record
 from experiments.run.storage_tracker import StorageTracker, label_engine
 
@@ -147,7 +148,7 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
             tracker.begin(name, step)
 
     phase.started = time.perf_counter()
-    with rng, mode, counter, tracker:
+    with rng, mode, NcclListBuffers(), counter, tracker:  # NCCL's list buffers: outside the counter
         phase("build")
         model, init_fn = build_model(point, device, zero_impl.config.DTYPES[precision])
         phase("initialize")
