@@ -64,7 +64,7 @@ def test_fp64_matches_adamw(stage, world):
     (1, 2, {"overlap_comm": False}),
     (2, 2, {"overlap_comm": False}),
     (2, 3, {"reduce_bucket_size": 500_000_000}),          # one bucket for the whole model
-    (1, 3, {"allgather_bucket_size": 100}),               # chunked parameter all-gather
+    (1, 3, {"allgather_bucket_size": 100}),               # post-step all-gathers one bucket at a time
     (2, 4, {"reduce_bucket_size": 1, "allgather_bucket_size": 7}),  # a bucket per parameter
     (0, 2, {"optimizer_bucket_size": 300}),           # the update in chunks (optimizer.py)
     (2, 3, {"optimizer_bucket_size": 1}),             # one master per update
