@@ -192,7 +192,7 @@ def test_record_inputs_take_the_engine_counts():
 
 # -- the paper's points, predicted, beside the paper ------------------------------------------
 def test_no_paper_throughput_enters_the_model():
-    source = (st.CONF_CLUSTER.parents[2] / "experiments" / "analysis" / "step_time.py").read_text()
+    source = (st.CONF_CLUSTER.parents[1] / "experiments" / "analysis" / "step_time.py").read_text()
     assert "results/paper" not in source and "APPROX" not in source
 
 
