@@ -21,9 +21,10 @@ What changes in a simulation (and only there):
   and no loss is recorded;
 - megatron's RNG tracker forks without its CPU-RNG sanity check (an `.item()` on a comparison);
 - tensors are fake *CPU* tensors standing for the GPU's (fake CUDA tensors fail in this CPU-only
-  torch build), so the layer spec is megatron's local one (no Transformer Engine) and
-  allocations made by megatron's CPU initialization (the full fp32 weight drawn on the host
-  before each TP rank keeps its slice) are counted as host memory, not device memory;
+  torch build), so the point's train.layer_spec must be megatron's `local` one (Transformer
+  Engine needs CUDA), and what the initialization allocates while it draws each weight, chunk
+  by chunk, before the TP rank keeps its slice (models/megatron_gpt.py `init_parameter`), is
+  counted as host memory: on a GPU those chunks are short-lived device memory, never at the peak;
 - the optimizer runs torch's multi-tensor (foreach) AdamW, the implementation torch picks for
   CUDA tensors, when the point's cluster has GPUs.
 
