@@ -31,8 +31,9 @@ What changes in a simulation (and only there):
 The verdict: `fits` when peak + cluster.cuda_reserve_gb (CUDA context, cuBLAS/cuDNN workspaces:
 not tensors, so not seen) <= cluster.device_memory_gb (x 1e9 bytes, the suite's convention); the
 record's status is then `ok`, else `oom` with the kind that dominates the peak named. What a
-simulation cannot see: allocator fragmentation (it counts blocks, not segments), NCCL's own
-buffers, kernels' workspaces, and time (no step time, no TFLOPs).
+simulation cannot see: allocator fragmentation (it counts blocks, not segments), NCCL's
+communicator buffers (the flat copies ProcessGroupNCCL makes behind list collectives it does
+see: run/nccl_list_buffers.py), kernels' workspaces, and time (no step time, no TFLOPs).
 """
 from __future__ import annotations
 
