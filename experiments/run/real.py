@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import resource
 import time
-import traceback
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,7 +25,8 @@ from experiments import records
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
 from experiments.points import ConfigError, Point, expand, resolve_precision
 from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
-from experiments.run.record import build_record, classify_failure
+from experiments.run.outcome import OutcomeAgreement, PointFailed, RanksLost
+from experiments.run.record import build_record
 
 
 class Preempted(Exception):
@@ -79,8 +80,8 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     if on_step is not None:
         on_step(start, saved)
     for step in range(start, t["warmup_steps"] + t["steps"]):
-        if t["fault"] in ("raise", "hang") and step == min(1, t["warmup_steps"] + t["steps"] - 1) and dist.get_rank() == 0:
-            _inject(t["fault"])
+        if step == min(1, t["warmup_steps"] + t["steps"] - 1) and dist.get_rank() == _faulty_rank(t["fault"]):
+            _inject(t["fault"])  # before the barrier: the other ranks wait there for the faulty one
         _sync(device)
         dist.barrier()
         began = time.perf_counter()
@@ -190,9 +191,14 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
+def _faulty_rank(fault: str) -> int | None:
+    """The rank an injected train.fault hits (None: no fault, or `slow`, which every rank runs)."""
+    return {"raise": 0, "hang": 0, "raise_last_rank": dist.get_world_size() - 1}.get(fault)
+
+
 def _inject(fault: str) -> None:
-    if fault == "raise":
-        raise RuntimeError("injected fault (train.fault=raise)")
+    if fault.startswith("raise"):
+        raise RuntimeError(f"injected fault (train.fault={fault}) on rank {dist.get_rank()}")
     time.sleep(10 ** 6)  # "hang": the other ranks wait in a collective until the point times out
 
 
@@ -213,10 +219,13 @@ def point_from_train_config(cfg: DictConfig) -> Point:
     return expand(sweep_like)[0]
 
 
-def run_as_rank(point: Point, results_dir: Path, launcher: str) -> None:
+def run_as_rank(point: Point, results_dir: Path, launcher: str, store: dist.Store | None = None) -> None:
     """Train `point` as one rank of a job whose launcher (torchrun, srun, submitit) set RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; rank 0 writes the record, also when
-    the point fails (then the exception propagates: the rank exits non-zero)."""
+    WORLD_SIZE and LOCAL_RANK, and MASTER_ADDR and MASTER_PORT unless it passes the job's `store`
+    (a submitit job's points share one). Every rank agrees on the point's outcome before it
+    returns (experiments/run/outcome.py); rank 0 writes the record, with the first failing rank's
+    traceback; then, if the point did not finish, every rank raises (Preempted, PointFailed, or
+    RanksLost when a rank posted no outcome in time) and exits non-zero."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != point.gpus:
         raise ConfigError(f"gpus={point.gpus} but the launcher started {world} ranks")
@@ -228,34 +237,55 @@ def run_as_rank(point: Point, results_dir: Path, launcher: str) -> None:
     root = checkpoint_root(point, results_dir / point.experiment)
     pending = PendingTimeout(path, build_record(point, precision, launcher, "timeout", None, "", started)) \
         if rank == 0 and os.environ.get("ZERO_REPRO_STOP_FILE") else None
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # On an error or timeout NCCL's watchdog aborts the communicators and the rank raises, where
+    # torch's default (3) would kill the process before it can post its outcome (outcome.py).
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", timedelta(seconds=point.train["timeout_s"])
+    if store is None:  # the launcher's (env://)
+        dist.init_process_group(backend, timeout=timeout)
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{point.point_id}/pg/", store), rank=rank,
+                                world_size=world, timeout=timeout)
+    agreement = OutcomeAgreement(dist.PrefixStore(f"{point.point_id}/outcome/", store), rank, world,
+                                 point.train["timeout_s"])
+    error: Exception | None = None
     try:
-        result = train_rank(with_checkpoint_dir(point, results_dir / point.experiment), precision, on_step=pending)
-        results = [None] * world
-        dist.all_gather_object(results, result)
+        with agreement.watching():
+            try:
+                result = train_rank(with_checkpoint_dir(point, results_dir / point.experiment), precision,
+                                    on_step=pending)
+                results = [None] * world
+                dist.all_gather_object(results, result)
+                outcome = {"kind": "ok"}
+            except Preempted as e:  # saved before the time limit: the record says where to resume
+                error, outcome = e, {"kind": "preempted", "error": str(e),
+                                     "resume": {"last_step": e.step, "checkpoint": e.checkpoint}}
+            except Exception as e:  # a record that says why, then the rank's non-zero exit
+                error, outcome = e, agreement.failed(e)
+        verdict = agreement.decide(outcome)
         if rank == 0:
-            records.write_record(path, build_record(point, precision, launcher, "ok", results, None, started))
-    except Preempted as e:  # saved before the time limit: the record says where to resume
-        if rank == 0:
-            records.write_record(path, build_record(point, precision, launcher, "timeout", None, str(e), started,
-                                                    resume={"last_step": e.step, "checkpoint": e.checkpoint}))
-            # the launcher requeues on this marker, not on a record's text (stale across restarts)
-            Path(os.environ["ZERO_REPRO_STOP_FILE"] + ".saved").touch()
-        # Nobody exits before rank 0 has written: the launcher kills the job's other ranks as
-        # soon as one exits, and at 400 ranks the first of them would beat rank 0's write.
-        dist.barrier()
-        raise
-    except Exception as e:  # a record that says why, then the rank's non-zero exit
-        status, _ = classify_failure(e)
-        if rank == 0:
-            records.write_record(path, build_record(point, precision, launcher, status, None,
-                                                    traceback.format_exc(), started,
-                                                    resume=_resume_point(root)))
-        raise
+            resume = verdict["resume"] or (None if verdict["status"] == "ok" else _resume_point(root))
+            records.write_record(path, build_record(point, precision, launcher, verdict["status"],
+                                                    results if verdict["status"] == "ok" else None,
+                                                    verdict["error"], started, resume=resume))
+            if pending is not None:
+                pending.discard()  # now: a launcher's later clean-up would move it over this record
+            if verdict["status"] == "timeout":  # the launcher requeues on this marker, not on a record's text
+                Path(os.environ["ZERO_REPRO_STOP_FILE"] + ".saved").touch()
+            # Nobody exits before rank 0 has written: the launcher kills the job's other ranks as
+            # soon as one exits, and at 400 ranks the first of them would beat rank 0's write.
+            agreement.publish(verdict)
     finally:
         if pending is not None:
             pending.discard()
-        dist.destroy_process_group()
+    if verdict["silent"]:
+        raise RanksLost(verdict["error"]) from error
+    if verdict["status"] == "timeout" and isinstance(error, Preempted):
+        raise error
+    if verdict["status"] != "ok":
+        lines = verdict["error"].strip().splitlines()
+        raise PointFailed(f"point {point.point_id}: " + " ".join(dict.fromkeys((lines[0], lines[-1])))) from error
 
 
 def _resume_point(root: Path) -> dict:

@@ -2,13 +2,17 @@
 every task one rank of each of the job's points in turn; rank 0 writes the records."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+import torch.distributed as dist
 from omegaconf import DictConfig
 
-from experiments.points import expand
+from experiments.points import Point, expand
+from experiments.run.outcome import RanksLost
 from experiments.run.real import run_as_rank
 from experiments.sweeps.local import already_done
 
@@ -24,12 +28,27 @@ def submitit_job():
 def run_in_slurm_job(cfg: DictConfig, job, results_dir: Path) -> None:
     """Inside a job of the submitit launcher, one task per GPU: every task is one rank of each
     of the job's points in turn; rank 0 writes the records."""
-    for point in expand(cfg):
-        if already_done(point, results_dir, cfg.force):
+    run_job_points(expand(cfg), job, results_dir, cfg.force)
+
+
+def run_job_points(points: list[Point], job, results_dir: Path, force: bool) -> None:
+    """`points` in turn on the job's tasks (`job`: submitit's JobEnvironment). One TCPStore for
+    the whole job, served by rank 0 at the job's port, carries every point's rendezvous and the
+    ranks' agreement on its outcome (experiments/run/outcome.py): after a failed point every task
+    goes on to the next one; after a rank fell silent (died, or stuck) the job ends."""
+    os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank))
+    # per-point keys (each point's own prefix); rank 0 waits here for every task to connect
+    store = dist.TCPStore(job.hostnames[0], 20000 + int(job.raw_job_id) % 20000, job.num_tasks,
+                          is_master=job.global_rank == 0,
+                          timeout=timedelta(seconds=max((p.train["timeout_s"] for p in points), default=600)))
+    for point in points:
+        if already_done(point, results_dir, force):
             continue  # every task reads the same file, so every task skips alike
-        os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
-                          MASTER_ADDR=job.hostnames[0], MASTER_PORT=str(20000 + int(job.raw_job_id) % 20000))
         try:
-            run_as_rank(point, results_dir.parent, "slurm (submitit)")
-        except Exception as e:  # rank 0 has recorded why; the job goes on to its next point
+            run_as_rank(point, results_dir.parent, "slurm (submitit)", store)
+        except RanksLost:
+            raise  # the others cannot train a point without the silent rank
+        except Exception as e:  # every rank raises alike; rank 0 has recorded why
             print(f"point {point.point_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            del e
+            gc.collect()  # the failed point's engine, held in reference cycles, would crowd the next one
