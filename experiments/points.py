@@ -46,7 +46,7 @@ LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 # whole-shard step of before; at its default 4e7 a point has a new id, as its peak may differ.
 LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
                        "contiguous_memory_optimization": False, "number_checkpoints": None,
-                       "optimizer_bucket_size": None}
+                       "optimizer_bucket_size": None, "force_collectives": False}
 LATER_TRAIN_DEFAULTS = {"layer_spec": "local"}  # train.* likewise
 
 

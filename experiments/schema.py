@@ -63,6 +63,7 @@ class ZeroSettings:
     stage3_max_live_units: int = ZeroConfig.stage3_max_live_units
     stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
     stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
+    force_collectives: bool = ZeroConfig.force_collectives  # collectives even at world 1 (make gpu-check)
     # ZeRO-R (zero_impl/activations.py); an experiment's point sets them with `zero_r: C1`...`C5`
     partition_activations: bool = ZeroConfig.partition_activations    # Pa
     cpu_checkpointing: bool = ZeroConfig.cpu_checkpointing            # Pa+cpu

@@ -1,24 +1,32 @@
-"""`make gpu-check`: the CUDA path end to end on one GPU, in at most 8 minutes.
+"""`make gpu-check`: the CUDA path end to end, in at most 8 minutes (BUDGET_S).
 
     python -m experiments.gpu_check              # on a machine with a GPU
     python -m experiments.gpu_check --rehearse   # on CPU: the same script at CPU sizes (proves the script, not CUDA)
 
-1. stages: megatron-core GPT `tiny_m`, ZeRO stages 0-3 x bf16 and fp16, world 1 over NCCL,
-   trained by experiments/run/real.py's `train_rank`: finite losses, applied steps, and model
-   states equal to Table 1's prediction up to padding;
-2. parity: TinyGPT in fp32 at stages 0-3, the same seeds and tokens on CUDA (NCCL) and on the
-   CPU (gloo), against the bounds below;
-3. 1.3B: megatron GPT of GPT-3 XL's shape (24 x 2048, 16 heads, seq 1024), bf16, stage 2,
+1. stages: megatron-core GPT `tiny_m`, ZeRO stages 0-3 x bf16 and fp16, world 1, every
+   collective through NCCL (zero.force_collectives: the communicator no longer short-circuits
+   a world of one), trained by experiments/run/real.py's `train_rank`: finite losses, applied
+   steps, model states equal to Table 1's prediction up to padding, the ledger's traffic 2Ψ/3Ψ
+   per step, and losses bitwise those of the same point with local copies (engine_rows.py);
+2. parity: TinyGPT in fp32 at stages 0-3, collectives forced, on CUDA against the CPU (gloo)
+   within the bounds of engine_rows.PARITY, and bitwise against CUDA with local copies;
+3. multi-rank (multi_rank_rows.py; with >= 2 GPUs, >= 4 for TP2xDP2): `tiny_m` in fp32 at every
+   stage at world 2 and at TP 2 x DP 2 (and Pa there) against one process on the global batch:
+   parity, traffic beside 2Ψ/3Ψ, model states beside Table 1 and the peak per rank;
+4. 1.3B: megatron GPT of GPT-3 XL's shape (24 x 2048, 16 heads, seq 1024), bf16, stage 2,
    activation recomputation, micro-batch 4: TFLOPs/GPU (Narayanan Eq. 3) and
-   torch.cuda.max_memory_allocated beside the suite's model-state prediction;
-4. ZeRO-R (experiments/gpu_check/zero_r_rows.py): the 1.3B point again at stage 2 without and with
-   MD, and with Pa and Pa+cpu: the allocator's fragmentation with and without MD, and whether
-   Pa+cpu's host round trip is prefetched and exact, and what it costs in memory and time;
-5. bench: experiments/bench_engine.py at world 1, a few steps per system.
+   torch.cuda.max_memory_allocated beside the suite's model-state prediction (local copies:
+   the compute path's throughput);
+5. ZeRO-R (zero_r_rows.py): the 1.3B point at stage 2 without and with MD, and with Pa and
+   Pa+cpu, collectives forced, against stage 2 with local copies: bitwise losses, the
+   allocator's fragmentation with and without MD, and whether Pa+cpu's host round trip is
+   prefetched and exact, and what it costs in memory and time;
+6. bench: experiments/bench_engine.py at world 1, a few steps per system.
 
-Prints a Markdown block (docs/cluster_path.md takes it as is); exit code 1 if any
-check FAILs. Without CUDA it prints one line and exits 0. Ranks are started with `spawn`
-(CUDA does not survive `fork`).
+Prints a Markdown block (the README's "GPU check" section takes it as is), then a line naming
+the row groups that ran and those skipped, and why; exit code 1 if any check FAILs. Without
+CUDA it prints one line and exits 0. Ranks are started with `spawn` (CUDA does not survive
+`fork`). A rehearsal runs the multi-rank rows on 2 and 4 CPU ranks with gloo.
 """
 from __future__ import annotations
 
@@ -30,9 +38,11 @@ import torch
 
 from experiments import bench_engine
 from experiments.gpu_check import zero_r_rows as zero_r
-from experiments.gpu_check.common import BUDGET_S, SKIPPED, attempt, error_line, make_point, safe_row, verdict
-from experiments.gpu_check.engine_rows import (BIG_MICRO_BATCH, BIG_MODEL, PARITY, STAGE_MODEL, big_row, device_rank,
-                                               parity_distance, parity_run, point_row)
+from experiments.gpu_check.common import BUDGET_S, FORCE, SKIPPED, attempt, error_line, make_point, safe_row
+from experiments.gpu_check.engine_rows import (BIG_MICRO_BATCH, BIG_MODEL, STAGE_MODEL, big_row, device_rank,
+                                               parity_row, parity_run, point_row)
+from experiments.gpu_check.multi_rank_rows import (LAYOUTS, failed_rows, layout_points, layout_rank, layout_rows,
+                                                   skipped_layouts)
 from experiments.launch import RankFailed, spawn
 from experiments.points import resolve_precision
 from experiments.run.real import train_rank
@@ -49,34 +59,44 @@ def main() -> int:
     left = lambda cap: max(10.0, min(cap, deadline - time.monotonic()))  # noqa: E731
 
     rows: list[tuple[str, str, str, str]] = []
+    ran: list[str] = []  # the row groups, for the closing line
     stages = [0, 1, 2, 3]
     precisions = ["bf16", "fp16"] if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else ["fp16"]
-    small = [(make_point(f"model={STAGE_MODEL}", f"stage={s}", f"train.precision={p}"), p)
+    small = [(make_point(f"model={STAGE_MODEL}", f"stage={s}", f"train.precision={p}", FORCE), p)
              for p in precisions for s in stages]
+    skipped = skipped_layouts()
+    layouts = {layout: {name: p.as_dict() for name, p in layout_points(make_point, stages, *LAYOUTS[layout]).items()}
+               for layout in LAYOUTS if layout not in skipped}
+    references = {name: p.as_dict() for name, p in layout_points(make_point, stages, 1, 1).items()} if layouts else {}
     try:
-        [device] = spawn(device_rank, 1, [(pt.as_dict(), p) for pt, p in small], stages, start_method="spawn",
-                         timeout=left(150))
+        [device] = spawn(device_rank, 1, [(pt.as_dict(), p) for pt, p in small], stages, references,
+                         start_method="spawn", timeout=left(200))
     except RankFailed as e:
         failed = {"ok": False, "error": str(e)}
-        device = {"backend": "?", "points": [failed] * len(small), "parity": failed}
+        device = {"backend": "?", "points": [(failed, failed)] * len(small), "parity": failed,
+                  "parity_local": failed, "references": {name: failed for name in references}}
     where = f"{device['backend']}, world 1"
-    rows += [safe_row(name, point_row, name, outcome, pt, p) for (pt, p), outcome in zip(small, device["points"])
-             for name in [f"{STAGE_MODEL} stage {pt.stage} {p} ({where})"]]
+    rows += [safe_row(name, point_row, name, forced, local, pt, p)
+             for (pt, p), (forced, local) in zip(small, device["points"])
+             for name in [f"{STAGE_MODEL} stage {pt.stage} {p} ({where}, collectives forced)"]]
+    ran.append(f"stages through the collectives ({where}) {len(small)}")
 
     try:
         [cpu] = spawn(attempt, 1, parity_run, stages, "cpu", backend="gloo", start_method="spawn", timeout=left(90))
     except RankFailed as e:
         cpu = {"ok": False, "error": str(e)}
-    for stage in stages:
-        name = f"parity fp32 stage {stage} (TinyGPT, {PARITY['steps']} steps, {where} vs CPU gloo)"
-        bounds = f"update distance <= {PARITY['update_bound']:g}, losses within {PARITY['loss_bound']:g}"
-        if not (cpu["ok"] and device["parity"]["ok"]):
-            rows.append((name, error_line((cpu if not cpu["ok"] else device["parity"])["error"]), bounds, "FAIL"))
-            continue
-        d = parity_distance(cpu["value"][stage], device["parity"]["value"][stage])
-        rows.append((name, f"update distance {d['update_rel']:.2e}, max abs param diff {d['max_abs']:.2e}, "
-                           f"max loss diff {d['loss_abs']:.2e}", bounds,
-                     verdict(d["update_rel"] <= PARITY["update_bound"], d["loss_abs"] <= PARITY["loss_bound"])))
+    rows += [safe_row(f"parity fp32 stage {s}", parity_row, s, cpu, device["parity"], device["parity_local"], where)
+             for s in stages]
+    ran.append(f"parity {len(stages)}")
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    for layout, runs in layouts.items():
+        try:
+            outcomes = spawn(layout_rank, LAYOUTS[layout][0], runs, start_method="spawn", timeout=left(120))
+            rows += layout_rows(layout, outcomes, device["references"], backend)
+        except RankFailed as e:
+            rows += failed_rows(layout, list(runs), str(e))
+        ran.append(f"{layout} ({backend}) {len(runs)}")
 
     big_model = BIG_MODEL if torch.cuda.is_available() else "tiny_l"
     precision = resolve_precision("auto")  # bf16 where the GPU has it (H100, H200), fp16 on a V100
@@ -87,16 +107,19 @@ def main() -> int:
     except RankFailed as e:
         outcome = {"ok": False, "error": str(e)}
     rows.append(safe_row(f"{big_model} point", big_row, outcome, big, precision))
+    ran.append(f"{big_model} 1")
 
     runs = zero_r.zero_r_points(make_point, big_model, BIG_MICRO_BATCH, precision)
     try:
         [outcomes] = spawn(zero_r.zero_r_rank, 1, {n: p.as_dict() for n, p in runs.items()}, precision,
-                           start_method="spawn", timeout=left(180))
+                           start_method="spawn", timeout=left(200))
     except RankFailed as e:
         outcomes = {name: {"ok": False, "error": str(e)} for name in runs}
     label = f"{big_model}, micro-batch {BIG_MICRO_BATCH}, {precision}"
+    rows.append(safe_row("ZeRO-R through the collectives", zero_r.collectives_row, outcomes, label))
     rows.append(safe_row("MD fragmentation", zero_r.md_row, outcomes, label))
     rows.append(safe_row("Pa+cpu prefetch and cost", zero_r.overlap_row, outcomes, label))
+    ran.append("ZeRO-R 3")
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:
@@ -105,12 +128,15 @@ def main() -> int:
         rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", f"median ms/step: {medians}", "runs", "PASS"))
     except (RankFailed, SystemExit) as e:
         rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", error_line(str(e)), "runs", "FAIL"))
+    ran.append("bench 1")
 
     hw = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU rehearsal (no CUDA)"
     print(f"### GPU check: {hw}, torch {torch.__version__}, CUDA {torch.version.cuda}, {time.strftime('%Y-%m-%d')}\n")
     print("| check | measured | expected | verdict |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    print(f"\nrows: {', '.join(ran)}; skipped: "
+          + ("; ".join(f"{layout} ({why})" for layout, why in skipped.items()) or "none"))
     failed = sum(row[3] != "PASS" for row in rows)
     print(f"\n{len(rows) - failed}/{len(rows)} checks pass, {BUDGET_S - (deadline - time.monotonic()):.0f} s")
     return 1 if failed else 0

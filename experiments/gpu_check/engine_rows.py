@@ -1,6 +1,15 @@
 """`make gpu-check`'s engine rows: megatron-core GPT at ZeRO stages 0-3 in bf16 and fp16 through
-experiments/run/real.py's `train_rank`; TinyGPT in fp32 on CUDA against the same run on the CPU
-(parity); and the 1.3B point's throughput and peak memory."""
+experiments/run/real.py's `train_rank`, every collective through the backend at world 1 and each
+point against itself with the local copies; TinyGPT in fp32 on CUDA against the same run on the
+CPU and without collectives (parity); and the 1.3B point's throughput and peak memory.
+
+Through the collectives against the local copies: at world 1 a sum over one rank and a gather of
+one shard are copies, so with deterministic kernels (common.deterministic) the two runs are bit
+for bit the same unless a collective's result is read before its wait (NCCL runs on its own
+stream), a buffer is reused while NCCL still reads it, or a bucket is skipped. Whatever the
+collectives' path does wrong that changes a value shows as a loss that differs. Not visible at
+world 1: an in-place all-gather (stages 1-2 after the step) copies a shard onto itself, so a
+missing wait there changes nothing; the multi-rank rows cover it (multi_rank_rows.py)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from experiments.gpu_check.common import attempt, error_line, verdict
+from experiments.gpu_check.common import attempt, deterministic, dp_traffic, error_line, parity_distance, verdict
+from experiments.gpu_check.multi_rank_rows import global_batch_run
 from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, synthetic_tokens
 from experiments.run.real import train_rank
 from experiments.run.record import build_record
@@ -29,15 +39,29 @@ PARITY = {"model": dict(vocab_size=512, seq_len=64, hidden=128, layers=2, heads=
           "lr": 1e-3, "update_bound": 1e-3, "loss_bound": 1e-4}
 
 
-def device_rank(points: list[tuple[dict, str]], stages: list[int]) -> dict:
-    """One rank on the accelerator: the megatron points through train_rank, then the parity runs."""
-    return {"backend": dist.get_backend(), "points": [attempt(train_rank, p, prec) for p, prec in points],
-            "parity": attempt(parity_run, stages, "cuda" if torch.cuda.is_available() else "cpu")}
+def short_circuit(point: dict) -> dict:
+    """The same point with the communicator's local copies at world 1 (no collective)."""
+    return {**point, "zero": {**point["zero"], "force_collectives": False}}
 
 
-def parity_run(stages: list[int], device_type: str) -> dict[int, dict]:
+def device_rank(points: list[tuple[dict, str]], stages: list[int], references: dict[str, dict]) -> dict:
+    """One rank on the accelerator, deterministic kernels: each megatron point through train_rank
+    (its collectives forced) and then its short circuit; the parity runs with and without the
+    collectives; and the single-process references of the multi-rank rows (`references`)."""
+    deterministic()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"backend": dist.get_backend(),
+            "points": [(attempt(train_rank, p, prec), attempt(train_rank, short_circuit(p), prec)) for p, prec in points],
+            "parity": attempt(parity_run, stages, device_type, True),
+            "parity_local": attempt(parity_run, stages, device_type, False),
+            "references": {name: attempt(global_batch_run, p) for name, p in references.items()}}
+
+
+def parity_run(stages: list[int], device_type: str, force: bool = False) -> dict[int, dict]:
     """TinyGPT in fp32 through the engine at each stage: initial and final parameters (on the
-    CPU) and the losses. Weights are drawn on the CPU and tokens are the same on any device."""
+    CPU), the losses and the data-parallel traffic of the last step (common.dp_traffic). Weights
+    are drawn on the CPU and tokens are the same on any device. `force`: every collective
+    through the backend (ZeroConfig.force_collectives)."""
     import zero_impl
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32
@@ -46,7 +70,8 @@ def parity_run(stages: list[int], device_type: str) -> dict[int, dict]:
         torch.manual_seed(0)
         model = TinyGPT(cfg)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        engine = zero_impl.initialize(model.to(device), zero_impl.ZeroConfig(stage=stage, clip_grad_norm=1.0),
+        config = zero_impl.ZeroConfig(stage=stage, clip_grad_norm=1.0, force_collectives=force)
+        engine = zero_impl.initialize(model.to(device), config,
                                       optimizer=lambda g: torch.optim.AdamW(g, lr=PARITY["lr"], weight_decay=0.01))
         losses = []
         for step in range(PARITY["steps"]):
@@ -56,36 +81,53 @@ def parity_run(stages: list[int], device_type: str) -> dict[int, dict]:
             engine.step()
             losses.append(loss.item())
         final = {n: t.detach().cpu() for n, t in engine.full_parameters().items()}
-        out[stage] = {"initial": initial, "final": final, "losses": losses}
+        out[stage] = {"initial": initial, "final": final, "losses": losses,
+                      "traffic": dp_traffic(engine.stats(), stage)}
     return out
 
 
-def parity_distance(reference: dict, other: dict) -> dict[str, float]:
-    """How far `other`'s run ends from `reference`'s: the L2 distance of the final parameters
-    relative to the reference's update (final - initial), the largest element difference, and
-    the largest loss difference over the steps. Runs that do not match in shape are infinitely far."""
-    ref, oth = reference["final"], other["final"]
-    if ref.keys() != oth.keys() or any(ref[n].shape != oth[n].shape for n in ref) or \
-            len(reference["losses"]) != len(other["losses"]):
-        return {"update_rel": math.inf, "max_abs": math.inf, "loss_abs": math.inf}
-    squared = sum(float(((oth[n].double() - ref[n].double()) ** 2).sum()) for n in ref)
-    update = sum(float(((ref[n].double() - reference["initial"][n].double()) ** 2).sum()) for n in ref)
-    return {"update_rel": math.sqrt(squared / update) if update else (0.0 if squared == 0 else math.inf),
-            "max_abs": max((float((oth[n].double() - ref[n].double()).abs().max()) for n in ref), default=0.0),
-            "loss_abs": max((abs(a - b) for a, b in zip(reference["losses"], other["losses"])), default=0.0)}
+def parity_row(stage: int, cpu: dict, forced: dict, local: dict, where: str) -> tuple[str, str, str, str]:
+    """TinyGPT fp32 at one stage through the collectives on this device: against the CPU's run
+    (PARITY's bounds) and bit for bit against the same run with local copies on this device."""
+    name = f"parity fp32 stage {stage} (TinyGPT, {PARITY['steps']} steps, {where}, collectives forced)"
+    bounds = (f"vs CPU: update distance <= {PARITY['update_bound']:g}, losses within {PARITY['loss_bound']:g}; "
+              f"vs local copies: bitwise; DP traffic {3 if stage == 3 else 2}Ψ/step")
+    failed = next((o for o in (cpu, forced, local) if not o["ok"]), None)
+    if failed is not None:
+        return name, error_line(failed["error"]), bounds, "FAIL"
+    run = forced["value"][stage]
+    d = parity_distance(cpu["value"][stage], run)
+    same = parity_distance(local["value"][stage], run)
+    bitwise = same["max_abs"] == 0 and same["loss_abs"] == 0
+    traffic, traffic_ok = run["traffic"]
+    measured = (f"vs CPU gloo: update distance {d['update_rel']:.2e}, max abs param diff {d['max_abs']:.2e}, "
+                f"max loss diff {d['loss_abs']:.2e}; vs local copies: "
+                f"{'bitwise equal' if bitwise else 'DIFFER by up to ' + format(same['max_abs'], '.2e')}; "
+                f"DP traffic {traffic:.4f}Ψ/step")
+    return name, measured, bounds, verdict(d["update_rel"] <= PARITY["update_bound"],
+                                           d["loss_abs"] <= PARITY["loss_bound"], bitwise, traffic_ok)
 
 
-def point_row(name: str, outcome: dict, point, precision: str) -> tuple[str, str, str, str]:
-    """(check, measured, expected, verdict) of one megatron point from its train_rank result."""
-    if not outcome["ok"]:
-        return name, error_line(outcome["error"]), "trains", "FAIL"
+def point_row(name: str, outcome: dict, reference: dict, point, precision: str) -> tuple[str, str, str, str]:
+    """(check, measured, expected, verdict) of one megatron point from its train_rank result,
+    its collectives forced, against `reference`, the same point with local copies."""
+    expected = (f"finite losses, a step applied, model states 1-1.01 x Table 1, DP traffic "
+                f"{3 if point.stage == 3 else 2}Ψ/step, losses bitwise the local copies'")
+    failed = next((o for o in (outcome, reference) if not o["ok"]), None)
+    if failed is not None:
+        return name, error_line(failed["error"]), expected, "FAIL"
     r = build_record(point, precision, "gpu_check", "ok", [outcome["value"]], None, time.strftime("%FT%T"))
     applied = len(r["losses"]) - r["comm"]["skipped_steps"]
     ratio = r["memory"]["measured"]["total"] / r["memory"]["predicted"]["total"]
+    traffic, traffic_ok = dp_traffic(outcome["value"]["stats"], point.stage)
+    local = reference["value"]["losses"]
+    same = r["losses"] == local
+    diff = max((abs(a - b) for a, b in zip(r["losses"], local)), default=math.inf)
     measured = (f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}, {applied}/{len(r['losses'])} steps applied, "
-                f"model states {ratio:.4f} x Table 1")
-    ok = all(map(math.isfinite, r["losses"])) and applied > 0 and 1.0 <= ratio <= 1.01
-    return name, measured, "finite losses, a step applied, model states 1-1.01 x Table 1", verdict(ok)
+                f"model states {ratio:.4f} x Table 1, DP traffic {traffic:.4f}Ψ/step, losses "
+                f"{'bitwise equal' if same else f'DIFFER by up to {diff:.2e}'}")
+    ok = all(map(math.isfinite, r["losses"])) and applied > 0 and 1.0 <= ratio <= 1.01 and traffic_ok and same
+    return name, measured, expected, verdict(ok)
 
 
 def big_row(outcome: dict, point, precision: str) -> tuple[str, str, str, str]:

@@ -10,9 +10,16 @@
   device, deterministic kernels), and reports memory and the step time against C4 (near 1 when
   the copies overlap the compute; measured, not judged).
 
-All four runs share one spawned rank (one CUDA context), one after another, the same model,
+- Through the collectives: all four runs send every collective through the backend at world 1
+  (common.FORCE; NCCL on a GPU): the gradient reduce-scatters, the parameter all-gathers and
+  Pa's all-gather of each checkpoint over the model-parallel group, on NCCL's stream. Each is
+  compared bit for bit with REFERENCE, stage 2 with local copies: at world 1 every collective
+  is a copy, and MD, Pa and Pa+cpu move checkpoints without changing them.
+
+All five runs share one spawned rank (one CUDA context), one after another, the same model,
 seed and tokens. At world 1 the model-parallel group has one rank, so Pa's slice is the whole
-checkpoint: what is measured is the host round trip and the arena, not the partitioning.
+checkpoint: what is measured is the host round trip and the arena, not the partitioning (the
+TP2xDP2 rows of multi_rank_rows.py gather over two ranks).
 """
 from __future__ import annotations
 
@@ -23,10 +30,12 @@ import warnings
 
 import torch
 
-from experiments.gpu_check.common import attempt, error_line
+from experiments.gpu_check.common import FORCE, attempt, deterministic, dp_traffic, error_line, verdict
 from experiments.run.real import train_rank
 
-RUNS = {  # name -> Hydra overrides of experiments/train.py
+REFERENCE = "stage 2, local copies"
+RUNS = {  # name -> Hydra overrides of experiments/train.py (all but REFERENCE also get FORCE)
+    REFERENCE: ["zero.force_collectives=false"],
     "stage 2": [],
     "C3 (MD)": ["zero.contiguous_memory_optimization=true"],
     "C4 (Pa, MD)": ["zero.contiguous_memory_optimization=true", "zero.partition_activations=true"],
@@ -39,7 +48,7 @@ def zero_r_points(make_point, model: str, micro_batch: int, precision: str) -> d
     """One experiments/train.py point per run of RUNS, stage 2 with recomputation."""
     return {name: make_point(f"model={model}", "stage=2", f"micro_batch={micro_batch}",
                              f"train.precision={precision}", "train.recompute=true", "train.warmup_steps=1",
-                             "train.steps=3", *overrides)
+                             "train.steps=3", *([] if name == REFERENCE else [FORCE]), *overrides)
             for name, overrides in RUNS.items()}
 
 
@@ -49,12 +58,9 @@ ALLOCATOR_STATS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "inact
 def zero_r_rank(points: dict[str, dict], precision: str) -> dict[str, dict]:
     """Runs inside the spawned rank: each point through train_rank (which resets CUDA's peak
     statistics), the previous run's memory collected and returned to the driver first, and the
-    allocator's peaks read right after. Deterministic kernels (cuBLAS workspace pinned) so that
+    allocator's peaks read right after. Deterministic kernels (common.deterministic) so that
     runs differing only in where checkpoints live can be compared bit for bit."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    # deterministic mode would also fill every torch.empty with NaN: work that would blur the timings
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    deterministic()
     out = {}
     for name, point in points.items():
         gc.collect()
@@ -121,6 +127,31 @@ def overlap_row(outcomes: dict[str, dict], label: str) -> tuple[str, str, str, s
                 f"step {_median_ms(c5):.0f} ms vs {_median_ms(c4):.0f} ms ({ratio:.2f}x)")
     ok = same and acts["on_demand"] == 0 and acts["prefetched"] == acts["checkpoints"] > 0 and host > 0
     return name, measured, expected, "PASS" if ok else "FAIL"
+
+
+def collectives_row(outcomes: dict[str, dict], label: str) -> tuple[str, str, str, str]:
+    """Stage 2, MD, Pa and Pa+cpu through the collectives, bit for bit REFERENCE's losses, their
+    data-parallel traffic 2Ψ per step and Pa's gathers counted (proof the collectives ran)."""
+    name = f"ZeRO-R through the collectives ({label}: stage 2, C3, C4, C5 vs {REFERENCE})"
+    expected = "losses bitwise the local copies'; DP traffic 2Ψ/step; C4 and C5: Pa's all-gathers counted"
+    forced = [n for n in RUNS if n != REFERENCE]
+    failure = _first_failure(outcomes, (REFERENCE, *forced))
+    if failure:
+        return name, failure, expected, "FAIL"
+    local, parts, checks = outcomes[REFERENCE]["value"]["losses"], [], []
+    for run in forced:
+        r = outcomes[run]["value"]
+        traffic, traffic_ok = dp_traffic(r["stats"], 2)
+        gathered = r["stats"]["comm"]["last_step"]["by_purpose"].get("activations", {}).get("elements", 0)
+        pa = "zero.partition_activations=true" in RUNS[run]
+        diff = max((abs(a - b) for a, b in zip(r["losses"], local)), default=math.inf)
+        same = r["losses"] == local
+        checks += [same, traffic_ok, gathered > 0 or not pa]
+        parts.append(f"{run}: {'bitwise' if same else f'DIFFER by up to {diff:.2e}'}, {traffic:.4f}Ψ"
+                     + (f", Pa gathered {gathered}" if pa else "")
+                     + ("" if same or not outcomes[run]["nondeterministic"]
+                        else f" (nondeterministic ops: {', '.join(outcomes[run]['nondeterministic'])})"))
+    return name, "; ".join(parts), expected, verdict(*checks)
 
 
 def _first_failure(outcomes: dict[str, dict], runs: tuple[str, ...]) -> str | None:

@@ -1,5 +1,6 @@
-"""experiments/gpu_check/ (`make gpu-check`) without a GPU: the one skip line, its comparison
-and verdict helpers, and a CPU rehearsal of the whole script (every check, CPU sizes)."""
+"""experiments/gpu_check/ (`make gpu-check`) without a GPU: the one skip line, its comparison,
+traffic and verdict helpers, which multi-rank rows a machine runs, and a CPU rehearsal of the
+whole script (every check, CPU sizes, the multi-rank rows on 2 and 4 gloo ranks)."""
 from __future__ import annotations
 
 import math
@@ -7,12 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from experiments.gpu_check import common, engine_rows
-from experiments.gpu_check.common import SKIPPED, verdict
-from experiments.gpu_check.engine_rows import parity_distance
+from experiments.gpu_check import common, engine_rows, multi_rank_rows
+from experiments.gpu_check.common import SKIPPED, dp_traffic, parity_distance, verdict
 
 REPO = Path(__file__).resolve().parents[2]
 NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # also on a machine with GPUs: the check must skip
@@ -56,9 +57,51 @@ def test_verdict_fails_on_nan_and_on_any_failed_check():
 
 
 def test_a_failed_point_is_a_row_that_says_why():
-    row = engine_rows.point_row("x", {"ok": False, "error": "Traceback...\nRuntimeError: CUDA out of memory | x"},
-                              None, "bf16")
-    assert row == ("x", "RuntimeError: CUDA out of memory / x", "trains", "FAIL")
+    failed = {"ok": False, "error": "Traceback...\nRuntimeError: CUDA out of memory | x"}
+    for forced, local in ((failed, {"ok": True}), ({"ok": True}, failed)):  # either run of the pair
+        name, measured, _, result = engine_rows.point_row("x", forced, local, SimpleNamespace(stage=1), "bf16")
+        assert (name, measured, result) == ("x", "RuntimeError: CUDA out of memory / x", "FAIL")
+
+
+def stats(grads: int, params: int, psi: int = 1000, padded: int = 1024) -> dict:
+    """An engine's stats as far as dp_traffic reads them: the last step's elements by purpose."""
+    by_purpose = {"grads": {"elements": grads}, "params": {"elements": params}, "norm": {"elements": 4},
+                  "activations": {"elements": 10_000}}
+    return {"psi": psi, "padded_psi": padded, "comm": {"last_step": {"by_purpose": by_purpose}}}
+
+
+def test_dp_traffic_is_the_papers_volume_up_to_padding():
+    assert dp_traffic(stats(1024, 1024), 1) == (2.048, True)  # a reduce-scatter and an all-gather, padded
+    assert dp_traffic(stats(1024, 2048), 3) == (3.072, True)  # stage 3 gathers twice
+    assert dp_traffic(stats(2048, 0), 0) == (2.048, True)     # an all-reduce counts twice its size
+    assert dp_traffic(stats(0, 0), 1) == (0.0, False)         # no collective ran (the short circuit)
+    assert dp_traffic(stats(1024, 0), 1)[1] is False          # the post-step all-gather missed
+    assert dp_traffic(stats(1024, 1024), 3)[1] is False       # stage 3 without its backward gather
+    assert dp_traffic(stats(2048, 1024), 1)[1] is False       # a bucket reduced twice
+
+
+def test_tp_distance_compares_each_tp_rank_with_its_slice_of_the_single_process():
+    w0, w1 = torch.zeros(4, 2), torch.arange(8.0).view(4, 2)  # column-parallel: rows split over 2 TP ranks
+    b0, b1 = torch.zeros(2), torch.ones(2)                    # replicated (a LayerNorm's bias)
+    reference = {"initial": {"w": w0, "b": b0}, "final": {"w": w1, "b": b1}, "losses": [6.0, 5.0]}
+    rank = lambda r, rows: {"tp": 2, "tp_rank": r, "partition": {"w": 0, "b": None}, "losses": [6.0, 5.0],  # noqa: E731
+                            "final": {"w": w1[rows], "b": b1}}
+    ranks = [rank(0, slice(0, 2)), rank(1, slice(2, 4)), rank(0, slice(0, 2)), rank(1, slice(2, 4))]  # TP 2 x DP 2
+    assert multi_rank_rows.tp_distance(reference, ranks) == {"update_rel": 0.0, "max_abs": 0.0, "loss_abs": 0.0}
+    swapped = [rank(0, slice(2, 4)), rank(1, slice(0, 2))]  # each TP rank holding the other's rows
+    d = multi_rank_rows.tp_distance(reference, swapped)
+    # 8 elements off by 4 (w1's halves differ by 4 per element) over an update of |w1| and |b1|
+    assert math.isclose(d["update_rel"], math.sqrt(8 * 16 / (float((w1 ** 2).sum()) + 2)), rel_tol=1e-9)
+
+
+def test_multi_rank_rows_run_where_the_gpus_are(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert multi_rank_rows.skipped_layouts() == {}  # a rehearsal runs every layout on CPU ranks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for count, skipped in ((1, {"world 2": "1 GPU, needs 2", "TP2xDP2": "1 GPU, needs 4"}),
+                           (2, {"TP2xDP2": "2 GPUs, needs 4"}), (8, {})):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        assert multi_rank_rows.skipped_layouts() == skipped
 
 
 def test_cpu_rehearsal_runs_every_check():
@@ -67,13 +110,27 @@ def test_cpu_rehearsal_runs_every_check():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("### GPU check: CPU rehearsal") and "| check | measured | expected | verdict |" in lines
     rows = [line for line in lines if line.startswith("| ") and line.endswith(("| PASS |", "| FAIL |"))]
-    assert len(rows) == 8 + 4 + 1 + 2 + 1 and all(row.endswith("| PASS |") for row in rows), rows
-    assert sum("parity fp32" in row and "update distance 0.00e+00" in row for row in rows) == 4  # CPU against CPU
+    # stages, parity, world 2, TP2xDP2 (+ Pa), 1.3B, ZeRO-R, bench
+    assert len(rows) == 8 + 4 + 4 + 5 + 1 + 3 + 1 and all(row.endswith("| PASS |") for row in rows), rows
+    stage_rows = [row for row in rows if row.startswith("| tiny_m stage") and "collectives forced" in row]
+    assert len(stage_rows) == 8 and all("losses bitwise equal" in row for row in stage_rows)
+    assert sum("DP traffic 3.0000Ψ/step" in row for row in stage_rows) == 2  # stage 3, bf16 and fp16; 2Ψ the rest
+    parity = [row for row in rows if "parity fp32" in row]
+    assert len(parity) == 4 and all("update distance 0.00e+00" in row and "vs local copies: bitwise equal" in row
+                                    for row in parity)  # CPU against CPU, forced collectives against local copies
+    assert sum(row.startswith("| world 2 stage") for row in rows) == 4
+    assert sum(row.startswith("| TP2xDP2 stage") for row in rows) == 5
+    [pa] = [row for row in rows if row.startswith("| TP2xDP2 stage 2 + Pa")]
+    assert "losses and parameters bitwise equal" in pa and "Pa gathered 0 " not in pa
+    [forced] = [row for row in rows if row.startswith("| ZeRO-R through the collectives")]
+    assert forced.count(": bitwise, 2.0000Ψ") == 4 and forced.count("Pa gathered") == 2
     [md] = [row for row in rows if row.startswith("| MD fragmentation")]
     assert "no allocator on CPU" in md and "arena 0.00 MB" not in md
     [overlap] = [row for row in rows if row.startswith("| Pa+cpu prefetch")]
     assert "on demand 0" in overlap and "bitwise equal" in overlap
-    assert lines[-1].startswith("16/16 checks pass")
+    assert lines[-3] == ("rows: stages through the collectives (gloo, world 1) 8, parity 4, world 2 (gloo) 4, "
+                         "TP2xDP2 (gloo) 5, tiny_l 1, ZeRO-R 3, bench 1; skipped: none")
+    assert lines[-1].startswith("26/26 checks pass")
 
 
 def test_a_row_that_cannot_be_built_is_a_failed_row():
