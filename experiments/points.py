@@ -34,7 +34,7 @@ from .schema import ModelConfig, TrainSettings, ZeroSettings
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 AXES = ("model", "stage", "gpus", "tp", "micro_batch")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-FAULTS = ("none", "raise", "raise_last_rank", "hang", "slow")
+FAULTS = ("none", "raise", "raise_last_rank", "hang", "hang_last_rank", "slow")
 # train.* that leave results alone
 NOT_HASHED = ("timeout_s", "checkpoint_every", "resume", "checkpoint_dir", "stop_signal_lead_s")
 LAUNCHERS = ("auto", "fork", "spawn", "torchrun")

@@ -85,7 +85,7 @@ class TrainSettings:
     weight_decay: float = 0.01
     seed: int = 1234
     timeout_s: float = 600.0      # per point, start-up included
-    fault: str = "none"           # none | raise, hang (rank 0) | raise_last_rank | slow (+1 s a step): to test the runner
+    fault: str = "none"           # none | raise, hang (rank 0) | raise_last_rank, hang_last_rank | slow (+1 s a step)
     checkpoint_every: int = 0     # save a checkpoint every N steps (0: only when the launcher asks to stop)
     resume: bool = False          # start from the latest complete checkpoint under checkpoint_dir, if any
     checkpoint_dir: str = ""      # "": <results_dir>/<experiment>/checkpoints/<point_id>

@@ -193,7 +193,8 @@ class SavedActivations:
 
 def _faulty_rank(fault: str) -> int | None:
     """The rank an injected train.fault hits (None: no fault, or `slow`, which every rank runs)."""
-    return {"raise": 0, "hang": 0, "raise_last_rank": dist.get_world_size() - 1}.get(fault)
+    last = dist.get_world_size() - 1
+    return {"raise": 0, "hang": 0, "raise_last_rank": last, "hang_last_rank": last}.get(fault)
 
 
 def _inject(fault: str) -> None:

@@ -36,14 +36,14 @@ def run_job_points(points: list[Point], job, results_dir: Path, force: bool) -> 
     the whole job, served by rank 0 at the job's port, carries every point's rendezvous and the
     ranks' agreement on its outcome (experiments/run/outcome.py): after a failed point every task
     goes on to the next one; after a rank fell silent (died, or stuck) the job ends."""
+    todo = [p for p in points if not already_done(p, results_dir, force)]  # every task reads the same files
+    if not todo:
+        return
     os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank))
     # per-point keys (each point's own prefix); rank 0 waits here for every task to connect
     store = dist.TCPStore(job.hostnames[0], 20000 + int(job.raw_job_id) % 20000, job.num_tasks,
-                          is_master=job.global_rank == 0,
-                          timeout=timedelta(seconds=max((p.train["timeout_s"] for p in points), default=600)))
-    for point in points:
-        if already_done(point, results_dir, force):
-            continue  # every task reads the same file, so every task skips alike
+                          is_master=job.global_rank == 0, timeout=timedelta(seconds=max(p.train["timeout_s"] for p in todo)))
+    for point in todo:
         try:
             run_as_rank(point, results_dir.parent, "slurm (submitit)", store)
         except RanksLost:
