@@ -93,10 +93,12 @@ echo "job $JOB: $NODES node(s) x $PER_NODE ranks, rendezvous $HEAD:$PORT, record
 echo "overrides: $*"
 write_status running - "started on $NODES node(s) x $PER_NODE"
 # Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task (only SRUN_CPUS_PER_TASK):
-# without it each torchrun, its ranks and NCCL's proxy threads share one core. Unset (sbatch
-# was given no --cpus-per-task): srun's default, as before.
+# without it each torchrun, its ranks and NCCL's proxy threads share one core. The one task per
+# node gets the allocation's --cpus-per-task, else every CPU the job holds on the node (e.g.
+# salloc --exclusive with no -c); with neither known, srun's default.
+TASK_CPUS="${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-}}"
 srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"} \
+    ${TASK_CPUS:+"--cpus-per-task=$TASK_CPUS"} \
     "$PYTHON" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node="$PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$JOB" \
     "$REPO/experiments/train.py" "results_dir=$JOB_DIR" "$@" &

@@ -47,9 +47,18 @@ def test_srun_gets_the_allocations_cpus_per_task(tmp_path):
     assert {"--nodes=1", "--ntasks=1", "--ntasks-per-node=1"} <= set(options)
 
 
+def test_srun_without_cpus_per_task_gets_the_nodes_cpus(tmp_path):
+    # salloc --exclusive with no -c: the one torchrun per node gets every CPU the job holds there
+    options = srun_options(srun_arguments(tmp_path, SLURM_CPUS_ON_NODE="64"))
+    assert "--cpus-per-task=64" in options
+    (tmp_path / "both").mkdir()
+    options = srun_options(srun_arguments(tmp_path / "both", SLURM_CPUS_PER_TASK="32", SLURM_CPUS_ON_NODE="64"))
+    assert "--cpus-per-task=32" in options and "--cpus-per-task=64" not in options
+
+
 @pytest.mark.parametrize("unset_as", [None, ""])
-def test_srun_without_cpus_per_task_keeps_sruns_default(tmp_path, unset_as):
-    env = {} if unset_as is None else {"SLURM_CPUS_PER_TASK": unset_as}
+def test_srun_without_any_cpu_count_keeps_sruns_default(tmp_path, unset_as):
+    env = {} if unset_as is None else {"SLURM_CPUS_PER_TASK": unset_as, "SLURM_CPUS_ON_NODE": unset_as}
     args = srun_arguments(tmp_path, **env)
     assert not any(a.startswith("--cpus-per-task") for a in args)
     assert args[len(srun_options(args)):][:3] == [str(tmp_path / "bin" / "python"), "-m", "torch.distributed.run"]
