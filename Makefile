@@ -38,7 +38,8 @@ gpu-check: $(STAMP)
 	$(BIN)/python -m experiments.gpu_check
 
 # Regenerate the committed simulated reference set (the paper's points at their true world size,
-# one rank on fake tensors; about 10 minutes on 2 cores) and its reports.
+# one rank on fake tensors; about 10 minutes on 2 cores), its reports, and the tables README.md and
+# docs/ paste from them.
 SIMULATED := fig2 fig4 fig7
 SEARCHED  := fig4 table2 fig6
 reference: $(STAMP)
@@ -50,6 +51,7 @@ reference: $(STAMP)
 	for e in $(sort $(SIMULATED) $(SEARCHED)); do \
 	  $(BIN)/python experiments/report.py experiment=$$e results_dir=results/reference/runs out_dir=results/reference/reports; done
 	$(BIN)/python experiments/report.py results_dir=results/reference/runs out_dir=results/reference/reports
+	$(BIN)/python -m experiments.reports.pasted
 
 # Optional: DeepSpeed as a comparison peer for the benchmarks and tests.
 compare: $(STAMP)
