@@ -41,8 +41,9 @@ def run_job_points(points: list[Point], job, results_dir: Path, force: bool) -> 
         return
     os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank))
     # per-point keys (each point's own prefix); rank 0 waits here for every task to connect
+    timeout = timedelta(seconds=max(p.train["timeout_s"] for p in todo))
     store = dist.TCPStore(job.hostnames[0], 20000 + int(job.raw_job_id) % 20000, job.num_tasks,
-                          is_master=job.global_rank == 0, timeout=timedelta(seconds=max(p.train["timeout_s"] for p in todo)))
+                          is_master=job.global_rank == 0, timeout=timeout)
     for point in todo:
         try:
             run_as_rank(point, results_dir.parent, "slurm (submitit)", store)

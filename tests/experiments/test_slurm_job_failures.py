@@ -96,17 +96,19 @@ def test_a_preempted_point_is_recorded_before_any_rank_leaves(compose, tmp_path,
     spawn(_task, 2, [point], results_dir, _job_port(), timeout=60)
     record = read_record(results_dir / f"{point.point_id}.json")
     assert record["status"] == "timeout" and "stopped after step 1" in record["error"]
-    assert record["resume"] == {"last_step": 1, "checkpoint": str(results_dir / "checkpoints" / point.point_id / "step_1")}
+    saved = results_dir / "checkpoints" / point.point_id / "step_1"
+    assert record["resume"] == {"last_step": 1, "checkpoint": str(saved)}
     assert Path(f"{stop}.saved").exists() and not list(results_dir.glob("*.pending"))
 
 
 @pytest.mark.slow
 def test_torchrun_point_records_the_failing_rank(tmp_path):
-    """The single-point path (train.py under torchrun, the store torchrun's): rank 0's record
-    carries rank 1's error, and torchrun exits non-zero."""
+    """The single-point path (train.py under torchrun, whose store carries the agreement): rank
+    0's record carries rank 1's error (the sweep keeps a failed record the ranks wrote)."""
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "sweep.py"), "model=tiny_s", "gpus=[2]",
                            "stage=2", "launcher=torchrun", "train.fault=raise_last_rank", f"results_dir={tmp_path}",
-                           "train.warmup_steps=1", "train.steps=2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "train.warmup_steps=1", "train.steps=2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr  # the sweep goes on; the point's record says what failed
     [record] = load_records(tmp_path, "cpu_default")
     assert record["status"] == "fail" and record["error"].startswith("rank 1 failed first"), record["error"]
