@@ -76,10 +76,11 @@ fi
 HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
 
-# NCCL on DGX clusters: a failed or stuck collective raises instead of hanging the job, and
-# errors are printed. Fabric-specific settings (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...) come from
+# NCCL on DGX clusters: a failed or stuck collective aborts its communicator and raises in the
+# rank (mode 2; mode 1 would kill the process before rank 0 records why, experiments/run/outcome.py),
+# and errors are printed. Fabric-specific settings (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...) come from
 # the site's environment modules; set them before sbatch if your cluster documents them.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export ZERO_REPRO_LAUNCHER="slurm"
