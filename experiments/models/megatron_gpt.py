@@ -120,15 +120,19 @@ def narayanan_eq2(shape: GPTShape) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (shape.vocab_size + shape.seq_len) / (12 * l * h))
 
 
-def initialize_parallel(tp: int, seed: int = 1234) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Set up megatron-core's TP x DP groups on the running world; returns (dp_group, tp_group)."""
+def initialize_parallel(tp: int, seed: int = 1234, timeout_s: float = 1800.0) -> tuple[dist.ProcessGroup,
+                                                                                     dist.ProcessGroup]:
+    """Set up megatron-core's TP x DP groups on the running world; returns (dp_group, tp_group).
+    timeout_s: how long a collective of these groups may wait before NCCL's watchdog aborts it
+    (megatron's default is 30 minutes; a point passes its train.timeout_s, as the default group)."""
     world = dist.get_world_size()
     if world % tp:
         raise ValueError(f"world size {world} is not divisible by tensor-parallel size {tp}")
     apply_cpu_workarounds()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False,
+                                             distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
 
