@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test test-matrix run bench gpu-check reference compare clean
+.PHONY: setup test test-matrix run bench calibrate gpu-check reference compare clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench_engine
+
+# This machine's profile for the step-time model (GEMMs, bandwidth, op floor, gloo; under 2 minutes):
+# results/calibration/<hostname>.yaml, generated and ignored by git; report.py's prediction check uses it.
+calibrate: $(STAMP)
+	$(BIN)/python experiments/calibrate.py
 
 # The CUDA path end to end on one GPU (at most 8 minutes); without a GPU, one line and exit 0.
 gpu-check: $(STAMP)

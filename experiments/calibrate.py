@@ -1,0 +1,50 @@
+"""Measure this machine for the step-time model: `make calibrate`.
+
+    python experiments/calibrate.py                       # -> results/calibration/<hostname>.yaml
+    python experiments/calibrate.py out=/tmp/profile.yaml
+
+Micro-benchmarks (experiments/calibration/): GEMM throughput at the shapes the CPU sweep's
+tiny_* models run plus a square sweep, streaming bandwidth, the per-op floor through autograd,
+and gloo's loopback collectives at the world sizes this machine's cores can run, all at the
+ranks' one thread. The file is generated, ignored by git, and describes this host only;
+experiments/analysis/calibrated.py loads it as a Hardware profile, and `experiments/report.py`
+checks the model's predictions against the sweep's measured step times with it.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import yaml
+
+from experiments.calibration.profile import measure_profile
+
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "results" / "calibration"
+
+
+def main(argv: list[str]) -> int:
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    unknown = set(args) - {"out"} or [a for a in argv if "=" not in a]
+    if unknown:
+        print(f"error: unknown argument(s) {sorted(unknown)}; allowed: out=<path.yaml>", file=sys.stderr)
+        return 2
+    out = Path(args.get("out", DEFAULT_DIR / f"{socket.gethostname()}.yaml"))
+    began = time.monotonic()
+    profile = measure_profile()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(profile, sort_keys=False))
+    best = max(g["flops_per_s"] for g in profile["gemm"])
+    print(f"wrote {out} in {time.monotonic() - began:.0f} s: best GEMM {best / 1e9:.0f} GFLOP/s, "
+          f"stream {profile['stream']['bytes_per_s'] / 1e9:.1f} GB/s, op floor "
+          f"{profile['op_floor']['forward_s'] * 1e6:.1f} us fwd / {profile['op_floor']['backward_s'] * 1e6:.1f} us bwd, "
+          f"worlds {sorted(profile['collectives'])} (threads {profile['threads']}, load {profile['load_average']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
