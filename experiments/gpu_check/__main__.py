@@ -99,9 +99,10 @@ def main() -> int:
         ran.append(f"{layout} ({backend}) {len(runs)}")
 
     big_model = BIG_MODEL if torch.cuda.is_available() else "tiny_l"
+    warmup, steps = (2, 5) if torch.cuda.is_available() else (1, 2)  # a rehearsal proves the script: few steps
     precision = resolve_precision("auto")  # bf16 where the GPU has it (H100, H200), fp16 on a V100
     big = make_point(f"model={big_model}", "stage=2", f"micro_batch={BIG_MICRO_BATCH}", f"train.precision={precision}",
-                     "train.recompute=true", "train.warmup_steps=2", "train.steps=5")
+                     "train.recompute=true", f"train.warmup_steps={warmup}", f"train.steps={steps}")
     try:
         [outcome] = spawn(attempt, 1, train_rank, big.as_dict(), precision, start_method="spawn", timeout=left(150))
     except RankFailed as e:
@@ -123,7 +124,7 @@ def main() -> int:
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:
-        times = bench_engine.run(systems, world=1, warmup=2, steps=5, repeats=1, timeout=left(60))
+        times = bench_engine.run(systems, world=1, warmup=warmup, steps=steps, repeats=1, timeout=left(60))
         medians = ", ".join(f"{n} {1e3 * sorted(t)[len(t) // 2]:.1f}" for n, t in times.items())
         rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", f"median ms/step: {medians}", "runs", "PASS"))
     except (RankFailed, SystemExit) as e:

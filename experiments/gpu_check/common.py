@@ -30,15 +30,16 @@ def make_point(*overrides: str):
         return point_from_train_config(compose("train", overrides=["experiment_name=gpu_check", "gpus=1", *overrides]))
 
 
-def deterministic() -> None:
+def deterministic(nan_fill: bool) -> None:
     """Deterministic kernels in this rank (cuBLAS workspace pinned, before the first cuBLAS
     handle), so that runs differing only in how values move (collectives or local copies, where
     checkpoints live) can be compared bit for bit. warn_only: ops without a deterministic kernel
-    warn (the rows that compare bitwise name them) instead of raising."""
+    warn (the rows that compare bitwise name them) instead of raising. `nan_fill`: every
+    torch.empty is filled with NaN, so a buffer read before a collective (or copy) wrote it
+    turns the loss into NaN; off where a row times steps (the fills would blur the timings)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    # deterministic mode would also fill every torch.empty with NaN: work that would blur the timings
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.utils.deterministic.fill_uninitialized_memory = nan_fill
 
 
 def attempt(fn, *args) -> dict:

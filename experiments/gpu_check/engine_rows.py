@@ -6,8 +6,10 @@ CPU and without collectives (parity); and the 1.3B point's throughput and peak m
 Through the collectives against the local copies: at world 1 a sum over one rank and a gather of
 one shard are copies, so with deterministic kernels (common.deterministic) the two runs are bit
 for bit the same unless a collective's result is read before its wait (NCCL runs on its own
-stream), a buffer is reused while NCCL still reads it, or a bucket is skipped. Whatever the
-collectives' path does wrong that changes a value shows as a loss that differs. Not visible at
+stream) or a buffer is reused while NCCL still reads it: whatever the collectives' path does
+wrong that changes a value shows as a loss that differs. New buffers are filled with NaN, so one
+read before NCCL wrote it shows as a NaN loss; a bucket never sent shows as traffic short of the
+ledger's 2Ψ/3Ψ (common.dp_traffic). Not visible at
 world 1: an in-place all-gather (stages 1-2 after the step) copies a shard onto itself, so a
 missing wait there changes nothing; the multi-rank rows cover it (multi_rank_rows.py)."""
 from __future__ import annotations
@@ -48,7 +50,7 @@ def device_rank(points: list[tuple[dict, str]], stages: list[int], references: d
     """One rank on the accelerator, deterministic kernels: each megatron point through train_rank
     (its collectives forced) and then its short circuit; the parity runs with and without the
     collectives; and the single-process references of the multi-rank rows (`references`)."""
-    deterministic()
+    deterministic(nan_fill=True)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return {"backend": dist.get_backend(),
             "points": [(attempt(train_rank, p, prec), attempt(train_rank, short_circuit(p), prec)) for p, prec in points],

@@ -81,7 +81,7 @@ def global_batch_run(point_dict: dict) -> dict:
 
 def layout_rank(points: dict[str, dict]) -> dict[str, dict]:
     """One rank of a multi-rank layout: every run of `points`, one after another."""
-    deterministic()
+    deterministic(nan_fill=True)
     return {name: attempt(global_batch_run, p) for name, p in points.items()}
 
 

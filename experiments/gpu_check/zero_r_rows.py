@@ -60,7 +60,7 @@ def zero_r_rank(points: dict[str, dict], precision: str) -> dict[str, dict]:
     statistics), the previous run's memory collected and returned to the driver first, and the
     allocator's peaks read right after. Deterministic kernels (common.deterministic) so that
     runs differing only in where checkpoints live can be compared bit for bit."""
-    deterministic()
+    deterministic(nan_fill=False)
     out = {}
     for name, point in points.items():
         gc.collect()
