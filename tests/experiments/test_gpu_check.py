@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from experiments.gpu_check import common, engine_rows, multi_rank_rows
+from experiments.gpu_check import common, engine_rows, multi_rank_rows, zero_r_rows
 from experiments.gpu_check.common import SKIPPED, dp_traffic, parity_distance, verdict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,6 +78,22 @@ def test_dp_traffic_is_the_papers_volume_up_to_padding():
     assert dp_traffic(stats(1024, 0), 1)[1] is False          # the post-step all-gather missed
     assert dp_traffic(stats(1024, 1024), 3)[1] is False       # stage 3 without its backward gather
     assert dp_traffic(stats(2048, 1024), 1)[1] is False       # a bucket reduced twice
+
+
+def test_zero_r_through_the_collectives_is_bitwise_or_fails():
+    def run(losses: list[float], gathered: int = 0) -> dict:
+        traffic = stats(1024, 1024)
+        traffic["comm"]["last_step"]["by_purpose"]["activations"]["elements"] = gathered
+        return {"ok": True, "value": {"losses": losses, "stats": traffic}, "nondeterministic": ["index_add_"]}
+    losses = [6.5, 6.25, 6.0]
+    outcomes = {name: run(losses, gathered=100) for name in zero_r_rows.RUNS}
+    assert zero_r_rows.collectives_row(outcomes, "x")[3] == "PASS"
+    outcomes["C3 (MD)"] = run([6.5, math.nextafter(6.25, 7), 6.0])  # one ulp off in one loss
+    _, measured, _, result = zero_r_rows.collectives_row(outcomes, "x")
+    assert result == "FAIL" and "C3 (MD): DIFFER by up to 8.88e-16, 2.0480Ψ (nondeterministic ops: index_add_)" in measured
+    outcomes["C3 (MD)"] = run(losses)
+    outcomes["C4 (Pa, MD)"] = run(losses, gathered=0)  # Pa's gather never went through the communicator
+    assert zero_r_rows.collectives_row(outcomes, "x")[3] == "FAIL"
 
 
 def test_tp_distance_compares_each_tp_rank_with_its_slice_of_the_single_process():
