@@ -13,7 +13,7 @@ import socket
 
 import torch
 
-from experiments.calibration import collectives, compute
+from experiments.calibration import collectives, compute, framework
 
 SWEEP_MODELS = ("tiny_s", "tiny_m", "tiny_l")  # the cpu_default grid's models (conf/experiment/cpu_default.yaml)
 SWEEP_MICRO_BATCH = 4
@@ -51,6 +51,7 @@ def measure_profile(worlds: list[int] | None = None) -> dict:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "note": "measured by `make calibrate` on this host at this date; valid for this machine only",
         "op_floor": floor,
+        "framework": framework.measure(),
         "stream": {"array_bytes": STREAM_BYTES, "bytes_per_s": compute.measure_stream_bytes_per_s(STREAM_BYTES)},
         "gemm": compute.measure_gemms(shapes),
         "collectives": {w: collectives.measure(w) for w in worlds},

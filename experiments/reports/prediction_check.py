@@ -1,0 +1,91 @@
+"""The step-time model held against the CPU sweep's measured step times (issue 21, item 4).
+
+With this machine's calibrated profile (`make calibrate`: results/calibration/<hostname>.yaml),
+every measured CPU record it can speak for is predicted with the system `zero_repro` (this
+engine, its record's own settings) and set beside its measured step time (the median of the
+timed steps). Records it cannot speak for are left out, each rule for a reason:
+- simulated records (no time), failed ones, GPU ones (the profile is this host's CPU);
+- records measured on another host than the profile's (another machine's speed);
+- world sizes the profile did not measure: more ranks than cores time-share the cores, which
+  the model, one device per rank, does not describe (make calibrate says which it measured).
+
+Target (issue 21): median |predicted/measured - 1| <= 25%, no point off by more than 2x. The
+measured step times are wall-clock on a machine that may be shared: a rank preempted by other
+processes runs slower than its core, which the profile (each rank's own CPU clock) does not see.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.analysis import step_time as st
+from experiments.analysis.calibrated import default_path, hardware_from_profile, load_profile
+from experiments.analysis.hardware import Hardware
+
+SYSTEM = "zero_repro"
+COLUMNS = ["point", "measured s", "predicted s", "ratio", "largest term"]
+MEDIAN_TARGET, FACTOR_TARGET = 0.25, 2.0
+
+
+def checkable(records: list[dict], profile: dict) -> list[dict]:
+    """The measured CPU records of the profile's host at world sizes it measured (1 always)."""
+    worlds = {1} | {int(w) for w in profile["collectives"]}
+    return [r for r in records if r.get("status") == "ok" and r.get("measured_by") != "simulated"
+            and isinstance(r.get("step_time_s"), float) and not (r.get("hardware") or {}).get("gpu_count")
+            and (r.get("hardware") or {}).get("host") == profile["host"] and r.get("world_size") in worlds]
+
+
+def point_label(record: dict) -> str:
+    return f"{record['model']['name']} stage {record['stage']} world {record['world_size']}"
+
+
+def prediction_rows(records: list[dict], hw: Hardware) -> pd.DataFrame:
+    """One row per record: measured and predicted seconds per step, their ratio, the model's
+    largest term (where the prediction's time goes)."""
+    rows = []
+    for r in sorted(records, key=lambda r: (r["params"], r["stage"], r["world_size"])):
+        predicted = st.predict(st.inputs_from_record(r), hw, system=SYSTEM)
+        largest = max(predicted.terms, key=predicted.terms.get)
+        rows.append({"point": point_label(r), "measured s": r["step_time_s"], "predicted s": predicted.step_s,
+                     "ratio": predicted.step_s / r["step_time_s"], "largest term": largest})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def summary(rows: pd.DataFrame) -> dict[str, float]:
+    """median |ratio - 1|, max |ratio - 1| and the worst factor max(ratio, 1/ratio)."""
+    ratios = list(rows["ratio"])
+    return {"median |ratio - 1|": statistics.median(abs(x - 1) for x in ratios),
+            "max |ratio - 1|": max(abs(x - 1) for x in ratios),
+            "worst factor": max(max(x, 1 / x) for x in ratios)}
+
+
+def prediction_check(records: list[dict], profile: dict) -> pd.DataFrame | None:
+    """The table: a row per checkable record, then the summary rows (their value under ratio,
+    the target under largest term). None when no record is checkable."""
+    found = checkable(records, profile)
+    if not found:
+        return None
+    rows = prediction_rows(found, hardware_from_profile(profile))
+    targets = {"median |ratio - 1|": f"target <= {MEDIAN_TARGET:g}", "max |ratio - 1|": "",
+               "worst factor": f"target <= {FACTOR_TARGET:g}"}
+    tail = [{"point": k, "ratio": v, "largest term": targets[k]} for k, v in summary(rows).items()]
+    return pd.concat([rows, pd.DataFrame(tail, columns=COLUMNS)], ignore_index=True)
+
+
+def from_default_profile(records: list[dict], path: Path | None = None) -> tuple[pd.DataFrame | None, str]:
+    """(the table or None, a line saying what was checked or how to make the profile)."""
+    path = path or default_path()
+    if not path.exists():
+        return None, (f"prediction_check: no calibrated profile at {path}; run `make calibrate` "
+                      "(about a minute) to check the step-time model against the CPU sweep's records")
+    profile = load_profile(path)
+    table = prediction_check(records, profile)
+    if table is None:
+        return None, (f"prediction_check: no measured CPU record of host {profile['host']} at worlds "
+                      f"{[1] + sorted(int(w) for w in profile['collectives'])}; run `make run` first")
+    s = summary(table[~table["point"].isin(["median |ratio - 1|", "max |ratio - 1|", "worst factor"])])
+    return table, (f"prediction_check: {len(table) - 3} points against {path.name} ({profile['date']}): "
+                   f"median |ratio - 1| {s['median |ratio - 1|']:.2f} (target <= {MEDIAN_TARGET:g}), "
+                   f"worst factor {s['worst factor']:.2f} (target <= {FACTOR_TARGET:g})")
