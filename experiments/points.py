@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
+from zero_impl import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
-from experiments.analysis.step_time import Hardware, inputs_from_point, predict
+from experiments.analysis.hardware import from_cluster
+from experiments.analysis.step_time import inputs_from_point, predict
 from experiments.analysis.memory import model_state_bytes, optimizer_step_bytes
 from experiments.models.megatron_gpt import (LAYER_SPECS, GPTShape, normal_draws_per_rank, padded_vocab_size,
                                              parameters_per_tp_rank)
@@ -308,8 +309,8 @@ def check_checkpoint_fits(point: Point) -> None:
     save = checkpoint_seconds(point)
     if save is None:
         return
-    hardware = Hardware.from_cluster(point.cluster)
-    step = predict(inputs_from_point(point), hardware).step_s if hardware else 0.0
+    hardware = from_cluster(point.cluster)
+    step = predict(inputs_from_point(point), hardware, "zero_repro").step_s if hardware else 0.0
     saves = 2 if point.train["checkpoint_every"] else 1
     lead = point.train["stop_signal_lead_s"]
     if step + saves * save > lead:

@@ -39,10 +39,15 @@ class ClusterConfig:
     cuda_reserve_gb: float = 0.0              # per GPU, not tensors: CUDA context and workspaces (simulate=true's "fits")
     peak_tflops: Optional[float] = None       # per GPU, half precision dense
     inter_node_gbps: Optional[float] = None   # per node, all NICs together (Gbit/s)
-    # the step-time model's constants (experiments/analysis/step_time.py, sourced there)
-    achieved_efficiency: Optional[float] = None  # fraction of peak_tflops a training step achieves
+    # the step-time model's constants (experiments/analysis/hardware.py, sourced there)
+    sms: Optional[int] = None                    # streaming multiprocessors (GEMM wave quantization)
+    gemm_ceiling: Optional[float] = None         # fraction of peak_tflops a large GEMM reaches
     hbm_gb_per_s: Optional[float] = None         # device memory bandwidth
-    intra_node_gb_per_s: Optional[float] = None  # per GPU, per direction (NVLink / NVSwitch)
+    hbm_fraction: Optional[float] = None         # fraction of it a streaming (elementwise) kernel reaches
+    kernel_floor_us: Optional[float] = None      # per kernel: launch + framework host overhead
+    nvlink_links: Optional[int] = None           # NVLink links per GPU (NCCL's intra-node channels)
+    nvlink_link_gb_per_s: Optional[float] = None  # per link per direction, as NCCL assigns it
+    nics_per_node: Optional[int] = None          # inter-node NICs per node (inter_node_gbps is all of them)
     pcie_gb_per_s: Optional[float] = None        # host <-> device per GPU, per direction, achievable
     # what one node writes to the checkpoint file system while every node of the job writes
     # (GB/s): an assumption per cluster (conf/cluster/*.yaml says whose); None: not checked

@@ -16,7 +16,13 @@ file the sweeps' `cluster=` reads); each is sourced in SOURCES below, keyed "<cl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
+
+import yaml
+
+from experiments.analysis.gemm import TileWaveGemm
+from experiments.analysis.nccl import Nccl
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast")
 
@@ -59,3 +65,93 @@ class Hardware:
     def stream_bytes_per_s(self) -> float:
         """What a memory-bound kernel streams per second."""
         return self.hbm_bytes_per_s * self.hbm_fraction
+
+
+# -- the GPU profiles: conf/cluster/<name>.yaml, each constant sourced -------------------------
+PROFILE_KEYS = ("peak_tflops", "sms", "gemm_ceiling", "hbm_gb_per_s", "hbm_fraction", "kernel_floor_us",
+                "gpus_per_node", "nvlink_links", "nvlink_link_gb_per_s", "inter_node_gbps", "nics_per_node",
+                "pcie_gb_per_s")
+PROFILES = ("dgx2_v100", "dgx2h_v100", "dgx_h100")
+CONF_CLUSTER = Path(__file__).resolve().parents[2] / "conf" / "cluster"
+
+_V100 = {
+    "sms": "80 SMs: NVIDIA Tesla V100 GPU Architecture whitepaper (GV100 with 80 of 84 SMs enabled)",
+    "gemm_ceiling": "0.696 = 87/125: a large (8192^2) fp16 GEMM on a V100 with the 2017-2019 cuBLAS, "
+                    "'87 T ops/second' (yaroslavvb/tensorflow-community-wheels#44); torch 2.7 + cuBLAS 12.8 "
+                    "reaches 97.4 (zzc0721/torch-performance-test-data#140), a later stack than the paper's",
+    "hbm_gb_per_s": "900: NVIDIA Tesla V100 datasheet (HBM2)",
+    "hbm_fraction": "0.833 = 750/900: V100 global-memory bandwidth measured by microbenchmark, Jia, Maggioni, "
+                    "Staiger, Scarpazza 2018, 'Dissecting the NVIDIA Volta GPU Architecture via "
+                    "Microbenchmarking' (arXiv 1804.06826) §3",
+    "kernel_floor_us": "5: PyTorch per-op host overhead with autograd, 5-7 us in 2020 (pytorch/pytorch#41383; "
+                       "an empty kernel's launch alone ~3 us, NVIDIA developer forum): the low end",
+    "gpus_per_node": "16: NVIDIA DGX-2 datasheet",
+    "nvlink_links": "6 NVLink2 links per V100 into the NVSwitch planes: NVIDIA DGX-2 datasheet",
+    "nvlink_link_gb_per_s": "21: the width NCCL 2.5-2.7 assigns a Volta NVLink (src/graph/topo.h); datasheet "
+                            "25 per direction",
+    "inter_node_gbps": "800 per node: 8 x 100 Gb/s EDR InfiniBand (ZeRO paper Sec 10.1; DGX-2 datasheet); NCCL "
+                       "counts a NIC at its speed / 8000 = 12.5 GB/s; 'about 12.2 GB/s is as good as you can get' "
+                       "(nccl-tests#29)",
+    "nics_per_node": "8 EDR NICs per DGX-2 node: NVIDIA DGX-2 datasheet",
+    "pcie_gb_per_s": "12: PCIe gen3 x16 achievable host<->device copies (15.75 GB/s theoretical: 8 GT/s x 16 "
+                     "lanes x 128b/130b); NCCL's PCI width 12 (src/graph/topo.h)",
+}
+SOURCES = {
+    **{f"dgx2_v100.{k}": v for k, v in _V100.items()},
+    "dgx2_v100.peak_tflops": "125: NVIDIA Tesla V100 datasheet (SXM2/SXM3, fp16 tensor core, dense); DGX-2 "
+                             "datasheet 2 PFLOPs / 16 GPUs",
+    **{f"dgx2h_v100.{k}": v for k, v in _V100.items()},
+    "dgx2h_v100.peak_tflops": "131: DGX-2H, 2.1 PFLOPs / 16 GPUs (450 W V100s at higher clocks; Tom's Hardware, "
+                              "'Nvidia's DGX-2 ... Just Got Faster'); Megatron-LM's 39 TFLOPs were measured on one "
+                              "(Shoeybi et al. 2019, arXiv 1909.08053 §5.1.1)",
+    "dgx_h100.peak_tflops": "989: NVIDIA H100 SXM datasheet (bf16/fp16 tensor core, dense; 1979 with sparsity)",
+    "dgx_h100.sms": "132: NVIDIA H100 SXM5 datasheet / Hopper architecture whitepaper",
+    "dgx_h100.gemm_ceiling": "0.75 [unverified]: a reading of cuBLAS 12.0's large bf16 GEMMs on H100 SXM (NVIDIA "
+                             "developer blog, 'New cuBLAS 12.0 Features and Matrix Multiplication Performance on "
+                             "NVIDIA Hopper GPUs'); no headline target uses this profile",
+    "dgx_h100.hbm_gb_per_s": "3350: NVIDIA H100 SXM datasheet (HBM3, 3.35 TB/s)",
+    "dgx_h100.hbm_fraction": "0.833 [assumption]: V100's measured fraction (Jia et al. 2018) carried over",
+    "dgx_h100.kernel_floor_us": "5: PyTorch per-op host overhead with autograd (pytorch/pytorch#41383)",
+    "dgx_h100.gpus_per_node": "8: NVIDIA DGX H100 datasheet",
+    "dgx_h100.nvlink_links": "18 NVLink 4 links per H100: NVIDIA H100 datasheet",
+    "dgx_h100.nvlink_link_gb_per_s": "20 [derived]: 900 GB/s / 18 links / 2 directions = 25, at the 21/25 ratio "
+                                     "NCCL 2.7 assigns Volta's links (NCCL 2.7.8 predates Hopper)",
+    "dgx_h100.inter_node_gbps": "3200 per node: 8 x 400 Gb/s NDR InfiniBand (DGX H100 datasheet)",
+    "dgx_h100.nics_per_node": "8 ConnectX-7 NDR NICs per node: NVIDIA DGX H100 datasheet",
+    "dgx_h100.pcie_gb_per_s": "48 [derived]: PCIe gen5 x16, 63 GB/s theoretical x the gen3 achievable ratio 12/15.75",
+    "nccl": "NCCL 2.7.8 (2020-07) cost model and constants, src/graph/tuning.cc (ncclTopoTuneModel, "
+            "ncclTopoGetAlgoTime): experiments/analysis/nccl.py",
+}
+
+
+def load_cluster(name: str) -> dict | None:
+    """conf/cluster/<name>.yaml as a dict (None if there is no such file)."""
+    path = CONF_CLUSTER / f"{name}.yaml"
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def from_cluster(cluster: dict | None) -> Hardware | None:
+    """The GPU profile of a cluster config (a conf/cluster dict, or a record's copy of one); None
+    when it lacks a constant (the `local` cluster: `make calibrate` measures this machine)."""
+    if not cluster or any(cluster.get(k) is None for k in PROFILE_KEYS):
+        return None
+    name = cluster.get("name", "?")
+    return Hardware(
+        name=name, peak_flops=cluster["peak_tflops"] * 1e12, hbm_bytes_per_s=cluster["hbm_gb_per_s"] * 1e9,
+        hbm_fraction=cluster["hbm_fraction"], kernel_floor_s=cluster["kernel_floor_us"] * 1e-6,
+        gpus_per_node=cluster["gpus_per_node"], pcie_bytes_per_s=cluster["pcie_gb_per_s"] * 1e9,
+        gemm=TileWaveGemm(sms=cluster["sms"], ceiling=cluster["gemm_ceiling"]),
+        # NCCL 2.7.8 turns LL128 on only for Volta (and Ampere) with NVLink
+        collectives=Nccl(nvlink_links=cluster["nvlink_links"], nvlink_gb_per_s=cluster["nvlink_link_gb_per_s"],
+                         nics_per_node=cluster["nics_per_node"],
+                         nic_gb_per_s=cluster["inter_node_gbps"] / 8 / cluster["nics_per_node"],
+                         ll128=name != "dgx_h100"),
+        sources={k: SOURCES[f"{name}.{k}"] for k in PROFILE_KEYS if f"{name}.{k}" in SOURCES} | {"collectives": SOURCES["nccl"]})
+
+
+def profile(name: str) -> Hardware | None:
+    """The GPU profile conf/cluster/<name>.yaml describes (None if it has no constants)."""
+    return from_cluster(load_cluster(name))

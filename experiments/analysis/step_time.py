@@ -1,152 +1,47 @@
-"""Step-time model: seconds per training step, and TFLOPs per GPU, from model FLOPs, the traffic
-of each collective and the hardware's constants. Nothing here is fitted to the ZeRO paper's
-throughput: every constant comes from a datasheet or an independent measurement (SOURCES), and
-lives in the cluster config (conf/cluster/*.yaml).
+"""Step-time model: seconds per training step, and TFLOPs per GPU, composed kernel by kernel and
+collective by collective on a Hardware profile (hardware.py), for a system as it ran
+(systems.py). Nothing here is fitted to the ZeRO paper's throughput: every constant is a
+datasheet value, a source in hardware.SOURCES, or a measurement (`make calibrate`).
 
-Per GPU and per optimizer step, with s sequence length, b micro-batch, h hidden, L layers,
-t tensor-parallel (MP) degree, N data-parallel degree, Ψ the parameters one TP rank holds,
-e bytes per element (2 in fp16/bf16), g micro-batches accumulated per step:
+Per GPU and per step, with g micro-batches accumulated:
 
-- compute: model FLOPs per GPU (experiments/analysis/flops.py, Narayanan Eq. 3 with the
-  recompute factor c = 4 when activations are recomputed) / (peak x achieved efficiency).
-  The efficiency is Megatron-LM's single-V100 measurement (39 TFLOPs of 125, recompute
-  counted), taken as constant over GEMM sizes (no size-dependent curve: none is sourced).
-- tensor-parallel all-reduces (Megatron: 2 in forward, 2 in backward per layer, 2 more for the
-  recomputed forward; 6 with recomputation, 4 without), each of s·b·h elements, as ring
-  all-reduces over the TP group: 2(t-1)/t · s·b·h·e / bandwidth. The bandwidth is the GPU's
-  NVLink/NVSwitch bandwidth per direction when the TP group fits in one node, else the node's
-  InfiniBand divided among the rings leaving a node at once (links, below: with t > G a node
-  holds one TP group's ring, so it gets the node's whole InfiniBand, capped by NVLink). Never
-  overlapped: Megatron's all-reduces sit on the critical path.
-  The embedding's and the loss's TP all-reduces (2 per step, and a few scalars) are omitted.
-- data-parallel traffic per step, in the suite's counting convention (a reduce-scatter counts
-  its full input, an all-gather its full output, an all-reduce twice its size, so every ring
-  collective takes (N-1)/N · counted bytes / bandwidth): gradients 2Ψe (stage 0 all-reduce) or
-  Ψe (stages 1-3 reduce-scatter; x g at stages 2-3), parameters Ψe (stages 1-2 all-gather after
-  the step) or 2Ψe (stage 3, forward and backward gathers; x g). A record's engine counts
-  (`comm.by_purpose`) replace the formula when present. The DP group uses NVLink/NVSwitch when
-  it fits in one node, else the node's InfiniBand divided among the min(t, G) DP rings leaving
-  each node at once (links, below: 100 GB/s for MP 1 on DGX-2 nodes, 6.25 GB/s at MP >= 16).
-- overlap rule (stated, per system): the gradient reduction overlaps the backward pass (the
-  recomputed forward and the backward, (c-1)/c of compute) only when the system launches it
-  asynchronously during backward (PyTorch DDP, this suite's engine with overlap_comm);
-  exposed = max(0, reduction - backward). Otherwise (Megatron-LM 2019's all-reduce after
-  backward; DeepSpeed 2020's ZeRO, overlap_comm off by default) it is exposed in full. The
-  parameter all-gather of stages 1-2 runs between the optimizer step and the next forward:
-  always exposed. Stage 3's gathers are prefetched: exposed only beyond the step's compute.
-- ZeRO-R, optional: Pa all-gathers each layer's checkpoint (s·b·h elements, partitioned over
-  the t MP ranks) before it is recomputed, once per backward: L ring all-gathers over the TP
-  group, exposed. Pa+cpu copies each rank's partition (s·b·h·e/t bytes) to the host in forward
-  and back in backward: 2·L copies over PCIe, exposed (an upper bound: DeepSpeed can overlap
-  part of it).
-- optimizer: Adam with fp32 masters is memory-bandwidth bound. Per parameter it updates it reads
-  the gradient (e), the fp32 master, momentum and variance (12) and writes them (12) and the
-  model-precision copy (e, none in fp32 where the master is the parameter): 28 bytes at e = 2
-  or e = 4. Parameters updated: Ψ at stage 0, Ψ/N at stages 1-3; time = bytes / HBM bandwidth.
+- compute (kernels.py): the kernels of a micro-batch's forward, recomputed forward and
+  backward, each max(FLOP time at the GEMM model's efficiency, bytes at HBM x the achievable
+  fraction) + a per-kernel floor; split into GEMM, memory-bound and floor seconds; x g.
+- TP comm: Megatron's all-reduces of the layer's T·h output, 2 in forward, 2 in the recomputed
+  forward, 2 in backward per layer, plus the embedding's and the logits' input gradient (T·h)
+  and the cross entropy's three T-float all-reduces; each costed by the CollectiveModel over the
+  TP group (NCCL 2.7.8 on the GPU profiles, nccl.py), blocking (on the critical path); x g.
+- DP comm exposed (systems.py): the system's gradient collectives, all exposed unless it
+  overlaps them with backward, where exposed = max(the last collective, their sum - the
+  recomputed forward and backward of the micro-batch that produces them); the post-step
+  parameter all-gathers (stages 1-2) exposed; stage 3's per-layer gathers prefetched under the
+  micro-batch's compute. The gradient copies around them (flatten, divide, bucket copies) are
+  memory-bound passes, counted in compute_memory_bound and kernel_floors.
+- Pa: each layer's checkpoint all-gathered over the TP group before its recomputation; Pa+cpu:
+  its partition to the host in forward and back in backward over PCIe; exposed.
+- optimizer: Adam with fp32 masters, memory bound: per parameter updated (Ψ at stage 0, Ψ/N at
+  1-3) the gradient read, master, momentum, variance read and written, the model-precision copy
+  written, plus the overflow check's and gradient norm's reads.
 
-step = compute + TP comm + Pa + offload + exposed DP comm + optimizer; TFLOPs/GPU = model FLOPs
-per GPU / step. Latencies (per-hop α), kernel launches, data loading and allocator stalls are
-not modelled; the efficiency carries whatever Megatron's one-GPU step already contained.
+TFLOPs/GPU use the suite's FLOP convention (Narayanan et al. 2021 Eq. 3, flops.py), not the
+kernel FLOPs, so numbers compare with Megatron's and the paper's.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
-import yaml
+from experiments.analysis.flops import model_flops_per_iteration
+from experiments.analysis.hardware import Hardware, from_cluster, profile
+from experiments.analysis.kernels import ComputeTime, LayerShape, compute_time, step_kernels
+from experiments.analysis.nccl import concurrent_groups
+from experiments.analysis.systems import SYSTEMS, DpPlan, dp_plan, record_plan
 
-from experiments.analysis.flops import model_flops_per_iteration, recompute_factor
-
-CONF_CLUSTER = Path(__file__).resolve().parents[2] / "conf" / "cluster"
-
-SOURCES = {
-    "dgx2_v100.peak_tflops": "125: NVIDIA Tesla V100 datasheet (SXM2/SXM3, fp16 tensor core, dense)",
-    "dgx2_v100.achieved_efficiency": "0.312 = 39/125: Shoeybi et al. 2019 (Megatron-LM, arXiv 1909.08053), "
-                                     "'a strong single GPU baseline that sustains 39 TeraFLOPs, which is 30% of "
-                                     "peak FLOPs' (1.2B GPT on one V100, FLOPs counted with recomputation, "
-                                     "their Appendix: 96·B·s·l·h²·(1 + s/6h + V/16lh))",
-    "dgx2_v100.hbm_gb_per_s": "900: NVIDIA Tesla V100 datasheet (HBM2)",
-    "dgx2_v100.intra_node_gb_per_s": "150 per direction per GPU: 6 NVLink2 links x 25 GB/s into the NVSwitch "
-                                     "fabric (NVIDIA DGX-2 datasheet: 300 GB/s bidirectional per GPU; the ZeRO "
-                                     "paper Sec 10.2: '300GB/sec per link (NVSwitch)')",
-    "dgx2_v100.inter_node_gbps": "800 per node: 8 x 100 Gb/s EDR InfiniBand (ZeRO paper Sec 10.1 '800 Gbps "
-                                 "internode'; DGX-2 datasheet): 100 GB/s per direction, shared by the rings "
-                                 "leaving the node (6.25 GB/s each when all 16 GPUs send their own ring)",
-    "dgx2_v100.pcie_gb_per_s": "12: PCIe gen3 x16 achievable host<->device copy rate (15.75 GB/s theoretical: "
-                               "8 GT/s x 16 lanes x 128b/130b; the project's design notes take 12 as achievable)",
-    "dgx_h100.peak_tflops": "989: NVIDIA H100 SXM datasheet (bf16/fp16 tensor core, dense; 1979 with sparsity)",
-    "dgx_h100.achieved_efficiency": "0.47: NVIDIA Megatron-LM README, 'up to 47% Model FLOP Utilization (MFU) "
-                                    "on H100 clusters' (GPT models 2B-462B)",
-    "dgx_h100.hbm_gb_per_s": "3350: NVIDIA H100 SXM datasheet (HBM3, 3.35 TB/s)",
-    "dgx_h100.intra_node_gb_per_s": "450 per direction: NVLink 4, 900 GB/s total per GPU (H100 datasheet)",
-    "dgx_h100.inter_node_gbps": "3200 per node: 8 x 400 Gb/s NDR InfiniBand (DGX H100 datasheet): "
-                                "400 GB/s per direction, 50 GB/s per ring when all 8 GPUs send their own",
-    "dgx_h100.pcie_gb_per_s": "48: PCIe gen5 x16 (63 GB/s theoretical) x the same achievable ratio as gen3 (12/15.75)",
-    "tp_allreduces_per_layer": "Megatron-LM (Shoeybi et al. 2019, Sec 3 and Fig. 4): f and g operators, 2 "
-                               "all-reduces in forward and 2 in backward per layer; recomputation repeats the "
-                               "forward's 2 (ZeRO paper Sec 8: '12 × seq length × hidden dim' per block)",
-    "adam_bytes_per_param": "read gradient (e) + fp32 master, momentum, variance (12), write the three (12) + "
-                            "the model-precision copy (e): 28 bytes at e = 2",
-    "overlap.megatron": "Megatron-LM 2019 pretrain_gpt2.py backward_step: model.allreduce_params(...) after "
-                        "backward (local DDP): not overlapped",
-    "overlap.deepspeed_zero": "DeepSpeed 2020 ZeRO: overlap_comm default False "
-                              "(deepspeed/runtime/zero/constants.py ZERO_OPTIMIZATION_OVERLAP_COMM_DEFAULT); the "
-                              "paper's sweep configs (DeepSpeedExamples Megatron-LM/scripts/ds_zero2_config.json) "
-                              "do not set it: not overlapped",
-    "overlap.torch_ddp": "PyTorch DDP: bucketed all-reduce launched during backward (Li et al., VLDB 2020): "
-                         "overlapped",
-}
-
-TP_ALLREDUCES_PER_LAYER = {True: 6, False: 4}  # with / without activation recomputation
-IB_GBIT_PER_GBYTE = 8
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU's view of its cluster: the constants of conf/cluster/<name>.yaml."""
-
-    name: str
-    gpus_per_node: int
-    peak_tflops: float          # dense half precision, per GPU
-    achieved_efficiency: float  # fraction of peak a training step's FLOPs achieve
-    hbm_gb_per_s: float
-    intra_node_gb_per_s: float  # per GPU per direction
-    inter_node_gbps: float      # per node, all NICs (Gbit/s)
-    pcie_gb_per_s: float        # per GPU per direction, achievable
-
-    FIELDS = ("gpus_per_node", "peak_tflops", "achieved_efficiency", "hbm_gb_per_s", "intra_node_gb_per_s",
-              "inter_node_gbps", "pcie_gb_per_s")
-
-    @property
-    def inter_node_gb_per_s(self) -> float:
-        """The node's InfiniBand, all NICs, per direction (GB/s)."""
-        return self.inter_node_gbps / IB_GBIT_PER_GBYTE
-
-    @property
-    def inter_node_gb_per_s_per_gpu(self) -> float:
-        """The GPU's share of its node's InfiniBand (GB/s): a ring's when every GPU of the node
-        sends its own ring across nodes (DP at MP >= gpus_per_node)."""
-        return self.inter_node_gb_per_s / self.gpus_per_node
-
-    @classmethod
-    def from_cluster(cls, cluster: dict | None) -> "Hardware | None":
-        """From a cluster config (dict); None when it lacks a constant (the `local` cluster)."""
-        if not cluster or any(cluster.get(k) is None for k in cls.FIELDS):
-            return None
-        return cls(name=cluster.get("name", "?"), **{k: cluster[k] for k in cls.FIELDS})
-
-
-def load_cluster(name: str) -> dict | None:
-    path = CONF_CLUSTER / f"{name}.yaml"
-    if not path.exists():
-        return None
-    with open(path) as f:
-        return yaml.safe_load(f)
-
-
-def hardware(name: str) -> Hardware | None:
-    """The constants of conf/cluster/<name>.yaml (None if it has none)."""
-    return Hardware.from_cluster(load_cluster(name))
+TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "pa", "offload",
+         "optimizer")
+PRECISION_BYTES = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2, "auto": 2}  # auto: half precision on GPUs
+TP_ALLREDUCES_PER_LAYER = {True: 6, False: 4}  # with / without recomputation (Megatron's f and g)
+LOSS_FLOATS_ALLREDUCED = 3                     # vocab-parallel cross entropy: max, sum of exp, target logit
 
 
 @dataclass(frozen=True)
@@ -155,6 +50,7 @@ class StepInputs:
 
     layers: int
     hidden: int
+    heads: int
     seq_len: int
     vocab: int                  # padded, as the logit GEMM computes it
     micro_batch: int            # sequences per DP rank per micro-batch
@@ -165,269 +61,232 @@ class StepInputs:
     recompute: bool = True
     grad_accum: int = 1
     element_bytes: int = 2      # parameters, gradients, activations (2: fp16/bf16)
-    overlap_grad_reduce: bool = False
+    overlap: bool | None = None  # gradient collectives during backward; None: the system's default
+    reduce_bucket: float = 4e7   # zero_repro's buckets (elements); the other systems have their own
+    allgather_bucket: float = 4e7
     pa: bool = False            # ZeRO-R partitioned activation checkpoints
     pa_cpu: bool = False        # ... offloaded to the host
-    dp_grad_bytes: float | None = None   # per step, engine counts (suite's convention); None: formula
-    dp_param_bytes: float | None = None
+    engine_counts: dict | None = None  # a record's comm.by_purpose: replaces the system's DP formula
 
     @property
     def gpus(self) -> int:
         return self.tp * self.dp
 
-
-# -- collectives: ring algorithms, bandwidth terms only --------------------------------------
-def ring_allreduce_s(nbytes: float, n: int, bytes_per_s: float) -> float:
-    """Ring all-reduce of an nbytes tensor over n ranks: each sends 2(n-1)/n of it."""
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bytes_per_s
-
-
-def ring_reduce_scatter_s(nbytes: float, n: int, bytes_per_s: float) -> float:
-    """Ring reduce-scatter of an nbytes input: each rank sends (n-1)/n of it."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bytes_per_s
-
-
-def ring_allgather_s(nbytes: float, n: int, bytes_per_s: float) -> float:
-    """Ring all-gather to an nbytes output: each rank sends (n-1)/n of it."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bytes_per_s
-
-
-# -- links ------------------------------------------------------------------------------------
-# A ring collective over n ranks (all-reduce, reduce-scatter, all-gather) moves the same bytes over
-# every hop of its ring, so its bandwidth is its slowest hop's. Inside a node a hop is GPU to GPU
-# over NVLink/NVSwitch (intra_node_gb_per_s, each GPU sending to one neighbour). Across nodes,
-# NCCL orders a ring topology-first: a group's members on one node are visited one after
-# another, so the ring leaves each node once (and enters once; InfiniBand is full duplex), and
-# NCCL splits the ring into channels that go out through different NICs, so a ring alone on a
-# node's NICs gets the node's whole InfiniBand (inter_node_gbps / 8, 100 GB/s on a DGX-2).
-# Groups of one kind run their collectives at the same time (every TP group all-reduces the same
-# layer; every DP group reduces the same gradients), so k rings leaving the same node share its
-# NICs: each gets inter_node_gbps / 8 / k. Per ring: min(NVLink, node InfiniBand / k), with k
-# the most rings of that kind leaving any one node (node_rings). In Megatron's layout (TP groups
-# are consecutive ranks, DP groups stride by the MP degree t; a node holds G consecutive ranks):
-# - DP groups: a node holds ranks of min(t, G) TP positions, each the member of its own DP
-#   group, so k = min(t, G) once the DP group spans nodes. MP 1 x DP 128: one ring, 100 GB/s on a
-#   DGX-2 (NVSwitch is 150); MP 16 x DP 25: 16 rings, 6.25 GB/s each; MP 128: 16 rings (each GPU
-#   of a node in its own DP group), 6.25 GB/s.
-# - TP groups with t > G: a TP group is t/G whole nodes, so k = 1: MP 128 over 8 DGX-2 nodes
-#   runs its ring at 100 GB/s (the ring crosses 8 node boundaries, each through all 8 NICs).
-# Since the G GPUs of a node split evenly among the k rings, the bound agrees with one that gives
-# each GPU only its nearest NICs (1/G of the node's). Latency (α per hop, 2(n-1) hops per ring)
-# and NCCL's achieved fraction of the links are not modelled: both are bounds from above.
-def node_rings(group_size: int, stride: int, gpus: int, gpus_per_node: int) -> int:
-    """The most rings of one kind leaving any one node: groups of `group_size` ranks, members
-    `stride` apart (TP: consecutive, stride 1; DP: stride = the MP degree), `gpus` ranks on nodes
-    of `gpus_per_node` consecutive ranks. 0 when every group fits in one node."""
-    if group_size <= 1:
-        return 0
-    step = group_size * stride           # a block of `step` ranks holds `stride` whole groups
-    groups_of = {}
-    for rank in range(gpus):
-        block, pos = divmod(rank, step)
-        groups_of.setdefault(rank // gpus_per_node, set()).add((block, pos % stride))
-    nodes_of: dict = {}
-    for node, groups in groups_of.items():
-        for grp in groups:
-            nodes_of.setdefault(grp, set()).add(node)
-    return max((sum(len(nodes_of[grp]) > 1 for grp in groups) for groups in groups_of.values()), default=0)
-
-
-def _link(rings: int, hw: Hardware) -> tuple[float, str]:
-    if rings == 0:
-        return hw.intra_node_gb_per_s * 1e9, "NVLink/NVSwitch"
-    per_ring = min(hw.intra_node_gb_per_s, hw.inter_node_gb_per_s / rings)
-    return per_ring * 1e9, f"InfiniBand, {rings} ring{'s' if rings > 1 else ''}/node"
-
-
-def tp_link(x: StepInputs, hw: Hardware) -> tuple[float, str]:
-    """Bytes/s of one TP group's ring, and which link bounds it (see above)."""
-    return _link(node_rings(x.tp, 1, x.gpus, hw.gpus_per_node), hw)
-
-
-def dp_link(x: StepInputs, hw: Hardware) -> tuple[float, str]:
-    """Bytes/s of one DP group's ring, and which link bounds it (see above)."""
-    return _link(node_rings(x.dp, x.tp, x.gpus, hw.gpus_per_node), hw)
-
-
-# -- terms ------------------------------------------------------------------------------------
-def flops_per_gpu(x: StepInputs) -> float:
-    """Model FLOPs one GPU executes per optimizer step (its replica's, split over TP)."""
-    per_replica = model_flops_per_iteration(batch=x.micro_batch * x.grad_accum, seq_len=x.seq_len,
-                                            layers=x.layers, hidden=x.hidden, vocab=x.vocab,
-                                            recompute=x.recompute)
-    return per_replica / x.tp
-
-
-def compute_s(x: StepInputs, hw: Hardware) -> float:
-    return flops_per_gpu(x) / (hw.peak_tflops * 1e12 * hw.achieved_efficiency)
-
-
-def backward_s(x: StepInputs, hw: Hardware) -> float:
-    """The part of compute during which gradients appear: recomputed forward + backward."""
-    c = recompute_factor(x.recompute)
-    return compute_s(x, hw) * (c - 1) / c
-
-
-def tp_message_bytes(x: StepInputs) -> float:
-    """One Megatron all-reduce: the layer's s·b·h output (or its gradient)."""
-    return x.seq_len * x.micro_batch * x.hidden * x.element_bytes
-
-
-def tp_comm_s(x: StepInputs, hw: Hardware) -> float:
-    bw, _ = tp_link(x, hw)
-    per_layer = TP_ALLREDUCES_PER_LAYER[x.recompute] * ring_allreduce_s(tp_message_bytes(x), x.tp, bw)
-    return x.layers * per_layer * x.grad_accum
-
-
-def pa_allgather_s(x: StepInputs, hw: Hardware) -> float:
-    """Pa: each layer's checkpoint (s·b·h, 1/t per MP rank) all-gathered once per backward."""
-    if not x.pa or x.tp <= 1:
-        return 0.0
-    bw, _ = tp_link(x, hw)
-    return x.layers * ring_allgather_s(tp_message_bytes(x), x.tp, bw) * x.grad_accum
-
-
-def offload_s(x: StepInputs, hw: Hardware) -> float:
-    """Pa+cpu: each rank's checkpoint partition to the host in forward and back in backward."""
-    if not x.pa_cpu:
-        return 0.0
-    partition = tp_message_bytes(x) / (x.tp if x.pa else 1)
-    return x.layers * 2 * partition / (hw.pcie_gb_per_s * 1e9) * x.grad_accum
-
-
-def dp_traffic_bytes(x: StepInputs) -> tuple[float, float]:
-    """(gradient bytes, parameter bytes) per step in the suite's convention; the engine's counts
-    when given."""
-    if x.dp_grad_bytes is not None and x.dp_param_bytes is not None:
-        return float(x.dp_grad_bytes), float(x.dp_param_bytes)
-    if x.dp <= 1:
-        return 0.0, 0.0
-    e, psi, g = x.element_bytes, x.psi, x.grad_accum
-    if x.stage == 0:
-        return 2 * psi * e, 0.0           # all-reduce, counted twice its size
-    if x.stage == 1:
-        return psi * e, psi * e           # reduce-scatter once (full gradient buffer), all-gather
-    if x.stage == 2:
-        return g * psi * e, psi * e       # reduce-scatter every micro-batch, all-gather after the step
-    return g * psi * e, 2 * g * psi * e   # stage 3: gathers in forward and backward
-
-
-def dp_comm(x: StepInputs, hw: Hardware) -> dict[str, float]:
-    """Raw and exposed DP seconds under the overlap rule (module docstring)."""
-    bw, _ = dp_link(x, hw)
-    grad_bytes, param_bytes = dp_traffic_bytes(x)
-    grad_s = ring_reduce_scatter_s(grad_bytes, x.dp, bw)   # (N-1)/N · counted bytes, any ring collective
-    param_s = ring_allgather_s(param_bytes, x.dp, bw)
-    if x.stage == 3:
-        exposed_params = max(0.0, param_s - compute_s(x, hw))  # prefetched under compute
-        exposed = (max(0.0, grad_s + param_s - compute_s(x, hw)) if x.overlap_grad_reduce
-                   else grad_s + exposed_params)
-    else:
-        exposed = (max(0.0, grad_s - backward_s(x, hw)) if x.overlap_grad_reduce else grad_s) + param_s
-    return {"grad_s": grad_s, "param_s": param_s, "exposed_s": exposed}
-
-
-def adam_bytes_per_param(element_bytes: int) -> int:
-    """Gradient read + master/momentum/variance read and written + the model-precision copy."""
-    return element_bytes + 24 + (element_bytes if element_bytes < 4 else 0)
-
-
-def optimizer_s(x: StepInputs, hw: Hardware) -> float:
-    updated = x.psi if x.stage == 0 or x.dp <= 1 else x.psi / x.dp
-    return updated * adam_bytes_per_param(x.element_bytes) / (hw.hbm_gb_per_s * 1e9)
+    def shape(self) -> LayerShape:
+        return LayerShape(self.micro_batch, self.seq_len, self.hidden, self.heads, self.tp, self.vocab,
+                          self.element_bytes)
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """A predicted step: seconds by term, and the throughput they give."""
+    """A predicted step: seconds by term (TERMS), the throughput they give, and how."""
 
-    compute_s: float
-    tp_comm_s: float       # exposed (never overlapped)
-    dp_comm_s: float       # exposed under the overlap rule
-    pa_s: float
-    offload_s: float
-    optimizer_s: float
-    dp_grad_s: float       # raw, before the overlap rule
-    dp_param_s: float
+    terms: dict[str, float]
     flops_per_gpu: float
-    tp_link: str
-    dp_link: str
     hardware: str
+    system: str
+    details: dict = field(default_factory=dict)
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pa_s + self.offload_s + self.optimizer_s
+        return sum(self.terms.values())
 
     @property
     def tflops_per_gpu(self) -> float:
         return self.flops_per_gpu / self.step_s / 1e12
 
+    def dominant(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "step_s": self.step_s, "tflops_per_gpu_predicted": self.tflops_per_gpu}
+        return {"step_s": self.step_s, "tflops_per_gpu_predicted": self.tflops_per_gpu,
+                "terms": dict(self.terms), "dominant": self.dominant(), "hardware": self.hardware,
+                "system": self.system, **self.details}
 
 
-def predict(x: StepInputs, hw: Hardware) -> StepTime:
-    dp = dp_comm(x, hw)
-    return StepTime(compute_s=compute_s(x, hw), tp_comm_s=tp_comm_s(x, hw), dp_comm_s=dp["exposed_s"],
-                    pa_s=pa_allgather_s(x, hw), offload_s=offload_s(x, hw), optimizer_s=optimizer_s(x, hw),
-                    dp_grad_s=dp["grad_s"], dp_param_s=dp["param_s"], flops_per_gpu=flops_per_gpu(x),
-                    tp_link=tp_link(x, hw)[1] if x.tp > 1 else "-",
-                    dp_link=dp_link(x, hw)[1] if x.dp > 1 else "-", hardware=hw.name)
+# -- groups on nodes (Megatron's layout: TP groups consecutive ranks, DP groups stride by MP) ---
+def tp_group(x: StepInputs, hw: Hardware) -> tuple[int, int, int]:
+    """(ranks, ranks per node, concurrent groups sharing a node's NICs) of a TP group."""
+    return x.tp, min(x.tp, hw.gpus_per_node), concurrent_groups(x.tp, 1, x.gpus, hw.gpus_per_node)
+
+
+def dp_group(x: StepInputs, hw: Hardware) -> tuple[int, int, int]:
+    per_node = max(1, min(x.dp, hw.gpus_per_node // x.tp)) if x.tp < hw.gpus_per_node else 1
+    return x.dp, per_node, concurrent_groups(x.dp, x.tp, x.gpus, hw.gpus_per_node)
+
+
+def _collective(hw: Hardware, kind: str, nbytes: float, group: tuple[int, int, int]) -> float:
+    ranks, per_node, concurrent = group
+    return 0.0 if ranks <= 1 else hw.collectives.time_s(kind, nbytes, ranks, per_node, max(1, concurrent))
+
+
+# -- terms ------------------------------------------------------------------------------------
+def flops_per_gpu(x: StepInputs) -> float:
+    """Model FLOPs one GPU executes per optimizer step, Eq. 3 (its replica's, split over TP)."""
+    return model_flops_per_iteration(batch=x.micro_batch * x.grad_accum, seq_len=x.seq_len, layers=x.layers,
+                                     hidden=x.hidden, vocab=x.vocab, recompute=x.recompute) / x.tp
+
+
+def micro_batch_compute(x: StepInputs, hw: Hardware) -> dict[str, ComputeTime]:
+    """One micro-batch's kernels by phase (forward, recompute, backward)."""
+    return {phase: compute_time(kernels, hw) for phase, kernels in step_kernels(x.shape(), x.layers, x.recompute).items()}
+
+
+def tp_comm_s(x: StepInputs, hw: Hardware) -> float:
+    """One micro-batch's Megatron all-reduces (module docstring)."""
+    if x.tp <= 1:
+        return 0.0
+    group, activation = tp_group(x, hw), x.seq_len * x.micro_batch * x.hidden * x.element_bytes
+    per_layer = TP_ALLREDUCES_PER_LAYER[x.recompute] * _collective(hw, "all_reduce", activation, group)
+    head = 2 * _collective(hw, "all_reduce", activation, group) \
+        + LOSS_FLOATS_ALLREDUCED * _collective(hw, "all_reduce", x.seq_len * x.micro_batch * 4, group)
+    return x.layers * per_layer + head
+
+
+def pa_s(x: StepInputs, hw: Hardware) -> float:
+    """Pa: each layer's checkpoint (T·h, 1/t per MP rank) all-gathered once per backward."""
+    if not x.pa or x.tp <= 1:
+        return 0.0
+    return x.layers * _collective(hw, "all_gather", x.seq_len * x.micro_batch * x.hidden * x.element_bytes,
+                                  tp_group(x, hw))
+
+
+def offload_s(x: StepInputs, hw: Hardware) -> float:
+    """Pa+cpu: each layer's checkpoint partition to the host in forward and back in backward."""
+    if not x.pa_cpu:
+        return 0.0
+    partition = x.seq_len * x.micro_batch * x.hidden * x.element_bytes / (x.tp if x.pa else 1)
+    return x.layers * 2 * partition / hw.pcie_bytes_per_s
+
+
+def optimizer_bytes_per_param(element_bytes: int) -> int:
+    """Adam (gradient read, master/momentum/variance read and written, the model-precision copy
+    written: none in fp32, where the master is the parameter) + the gradient-norm read, + the
+    overflow check's read in half precision (loss scaling)."""
+    half = element_bytes < 4
+    return element_bytes + 24 + (element_bytes if half else 0) + element_bytes * (2 if half else 1)
+
+
+def optimizer_s(x: StepInputs, hw: Hardware) -> float:
+    updated = x.psi if x.stage == 0 or x.dp <= 1 else x.psi / x.dp
+    return updated * optimizer_bytes_per_param(x.element_bytes) / hw.stream_bytes_per_s
+
+
+def plan(x: StepInputs, system: str) -> DpPlan:
+    sys = SYSTEMS[system]
+    if x.engine_counts is not None:
+        return record_plan(sys, x.engine_counts, x.stage, x.grad_accum, x.element_bytes, x.psi, x.layers)
+    return dp_plan(sys, psi=x.psi, dp=x.dp, stage=x.stage, layers=x.layers, element_bytes=x.element_bytes,
+                   grad_accum=x.grad_accum, reduce_bucket=x.reduce_bucket, allgather_bucket=x.allgather_bucket)
+
+
+def dp_comm(x: StepInputs, hw: Hardware, system: str, phases: dict[str, ComputeTime]) -> dict[str, float]:
+    """Raw and exposed DP seconds per step under the system's overlap (module docstring)."""
+    p, group = plan(x, system), dp_group(x, hw)
+    overlap = SYSTEMS[system].overlap if x.overlap is None else x.overlap
+    grads = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.grad_calls]
+    after = sum(_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_after_step)
+    gathers = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_per_micro_batch]
+    backward = phases["recompute"].total_s + phases["backward"].total_s
+    micro = backward + phases["forward"].total_s
+    if gathers:   # stage 3: gathers prefetched and gradients reduced under the micro-batch's compute
+        hidden_under = micro if overlap else micro - backward
+        exposed_grads = sum(grads) if not overlap else 0.0
+        per_micro = exposed_grads + max(gathers[0] + (grads[-1] if overlap and grads else 0.0),
+                                        sum(gathers) + (sum(grads) if overlap else 0.0) - hidden_under)
+    else:
+        per_micro = (max(grads[-1], sum(grads) - backward) if overlap else sum(grads)) if grads else 0.0
+    reductions = p.grad_reductions if (grads or gathers) else 0
+    return {"grad_s": sum(grads) * p.grad_reductions, "param_s": after + sum(gathers) * x.grad_accum,
+            "exposed_s": per_micro * reductions + after,
+            "copy": ComputeTime(memory_bound_s=p.copy_bytes / hw.stream_bytes_per_s * p.grad_reductions,
+                                floors_s=p.copy_kernels * hw.kernel_floor_s * p.grad_reductions)}
+
+
+def predict(inputs: StepInputs, hardware: Hardware, system: str = "zero_repro") -> StepTime:
+    """The step time of `inputs` on `hardware` run by `system` (systems.SYSTEMS)."""
+    x, hw, g = inputs, hardware, inputs.grad_accum
+    if system not in SYSTEMS:
+        raise ValueError(f"system={system!r}: one of {', '.join(SYSTEMS)}")
+    if x.stage not in SYSTEMS[system].stages:
+        raise ValueError(f"stage={x.stage} does not exist in system={system} (stages {SYSTEMS[system].stages})")
+    phases = micro_batch_compute(x, hw)
+    micro = phases["forward"] + phases["recompute"] + phases["backward"]
+    dp = dp_comm(x, hw, system, phases)
+    terms = {"compute_gemm": g * micro.gemm_s, "compute_memory_bound": g * micro.memory_bound_s + dp["copy"].memory_bound_s,
+             "kernel_floors": g * micro.floors_s + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
+             "dp_comm_exposed": dp["exposed_s"], "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
+             "optimizer": optimizer_s(x, hw)}
+    details = {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"],
+               "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
+    return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=system, details=details)
 
 
 # -- from the suite's points and records ------------------------------------------------------
-PRECISION_BYTES = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2, "auto": 2}  # auto: half precision on GPUs
-
-
-def _shape_inputs(model: dict, tp: int) -> dict:
+def shape_inputs(model: dict, tp: int) -> dict:
+    """A model config's shape fields: padded vocab and parameters per TP rank as megatron builds them."""
     from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameters_per_tp_rank
     shape = GPTShape(model["layers"], model["hidden"], model["heads"], model["seq_len"], model["vocab_size"])
-    return {"layers": shape.layers, "hidden": shape.hidden, "seq_len": shape.seq_len,
+    return {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len,
             "vocab": padded_vocab_size(shape.vocab_size, tp), "psi": float(parameters_per_tp_rank(shape, tp))}
 
 
-def inputs_from_point(point, *, overlap_grad_reduce: bool | None = None, pa: bool = False,
-                      pa_cpu: bool = False) -> StepInputs:
-    """A Point (experiments/points.py) with the system's overlap and ZeRO-R flags; overlap
-    defaults to the point's engine setting (zero.overlap_comm)."""
-    overlap = point.zero.get("overlap_comm", True) if overlap_grad_reduce is None else overlap_grad_reduce
-    return StepInputs(**_shape_inputs(point.model, point.tp), micro_batch=point.micro_batch, tp=point.tp,
+def inputs_from_point(point, *, overlap: bool | None = None, pa: bool = False, pa_cpu: bool = False) -> StepInputs:
+    """A Point (experiments/points.py) with ZeRO-R's flags; overlap None: the system's default,
+    except that zero_repro takes the point's zero.overlap_comm (see predict_point)."""
+    zero = point.zero
+    return StepInputs(**shape_inputs(point.model, point.tp), micro_batch=point.micro_batch, tp=point.tp,
                       dp=point.dp, stage=point.stage, recompute=point.train["recompute"],
                       grad_accum=point.train["grad_accum_steps"],
-                      element_bytes=PRECISION_BYTES[point.train["precision"]], overlap_grad_reduce=overlap,
-                      pa=pa, pa_cpu=pa_cpu)
+                      element_bytes=PRECISION_BYTES[point.train["precision"]], overlap=overlap,
+                      reduce_bucket=float(zero.get("reduce_bucket_size", 4e7)),
+                      allgather_bucket=float(zero.get("allgather_bucket_size", 4e7)), pa=pa, pa_cpu=pa_cpu)
 
 
 def inputs_from_record(record: dict) -> StepInputs:
-    """A result record (measured or simulated): its config (ZeRO-R's Pa and Pa+cpu from the engine
-    knobs zero.partition_activations / zero.cpu_checkpointing when present), and its engine's DP
-    traffic per step (comm.by_purpose: 'grads' and 'params') when the record has them."""
+    """A result record (measured, CPU or GPU, or simulated): its config, precision, engine
+    settings (overlap_comm, buckets, ZeRO-R's Pa and Pa+cpu) and its engine's DP counts
+    (comm.by_purpose) when it has them; predicted with system zero_repro."""
     config = record["config"]
     zero = config.get("zero", {})
-    x = StepInputs(**_shape_inputs(config["model"], record["tp"]), micro_batch=record["micro_batch"],
+    precision = record.get("precision") or config.get("precision_resolved") or config["train"].get("precision", "auto")
+    x = StepInputs(**shape_inputs(config["model"], record["tp"]), micro_batch=record["micro_batch"],
                    tp=record["tp"], dp=record["dp"], stage=record["stage"], recompute=config["train"]["recompute"],
-                   grad_accum=config["train"]["grad_accum_steps"],
-                   element_bytes=PRECISION_BYTES.get(record.get("precision"), 2),
-                   overlap_grad_reduce=zero.get("overlap_comm", True),
+                   grad_accum=config["train"]["grad_accum_steps"], element_bytes=PRECISION_BYTES.get(precision, 2),
+                   overlap=bool(zero.get("overlap_comm", True)),
+                   reduce_bucket=float(zero.get("reduce_bucket_size", 4e7)),
+                   allgather_bucket=float(zero.get("allgather_bucket_size", 4e7)),
                    pa=bool(zero.get("partition_activations", False)), pa_cpu=bool(zero.get("cpu_checkpointing", False)))
     if record.get("params_per_gpu"):
         x = replace(x, psi=float(record["params_per_gpu"]))
     purposes = record.get("comm", {}).get("by_purpose")
-    if purposes is not None:
-        x = replace(x, dp_grad_bytes=float(purposes.get("grads", {}).get("bytes", 0)),
-                    dp_param_bytes=float(purposes.get("params", {}).get("bytes", 0)))
+    if purposes:
+        x = replace(x, engine_counts=purposes)
     return x
 
 
 def record_hardware(record: dict) -> Hardware | None:
-    """The record's cluster constants: today's conf/cluster/<name>.yaml (older records predate
-    some keys), else what the record carries."""
+    """The record's GPU profile: today's conf/cluster/<name>.yaml (older records predate some
+    keys), else what the record carries; None for `local` (a calibrated profile is passed in)."""
     cluster = record.get("config", {}).get("cluster", {})
-    return hardware(cluster.get("name", "")) or Hardware.from_cluster(cluster)
+    return profile(cluster.get("name", "")) or from_cluster(cluster)
 
 
 def predict_record(record: dict, hw: Hardware | None = None) -> StepTime | None:
-    """The prediction for a record's point on its cluster (None when the cluster has no constants,
-    e.g. `local` CPU runs)."""
+    """The prediction for a record's point with this engine (zero_repro) on `hw`, or its
+    cluster's profile (None when there is none, e.g. `local` CPU runs without calibration)."""
     hw = hw or record_hardware(record)
-    return None if hw is None else predict(inputs_from_record(record), hw)
+    return None if hw is None else predict(inputs_from_record(record), hw, "zero_repro")
+
+
+def kernel_table(x: StepInputs, hw: Hardware) -> list[dict]:
+    """One layer's and the head's kernels at x's per-GPU shape, with FLOPs, bytes and times on hw."""
+    rows = []
+    for phase, kernels in step_kernels(x.shape(), 1, x.recompute).items():
+        for kernel, _ in kernels:
+            device, floor = kernel.times(hw)
+            rows.append({"phase": phase, "kernel": kernel.name, "gflops": kernel.flops / 1e9, "mb": kernel.bytes / 1e6,
+                         "gemm_efficiency": hw.gemm.efficiency(*kernel.gemm) if kernel.gemm else None,
+                         "us": (device + floor) * 1e6})
+    return rows
+

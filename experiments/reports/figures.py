@@ -375,8 +375,9 @@ def fig4_predicted(records: list[dict]) -> Figure:
     return fig
 
 
-BREAKDOWN = (("compute_s", "compute", "tab:blue"), ("tp_comm_s", "TP all-reduces", "tab:purple"),
-             ("dp_comm_s", "DP (exposed)", "tab:green"), ("pa_s", "Pa all-gathers", "tab:olive"),
+BREAKDOWN = (("compute_gemm_s", "GEMMs", "tab:blue"), ("compute_memory_bound_s", "memory-bound kernels", "tab:cyan"),
+             ("kernel_floors_s", "kernel floors", "tab:gray"), ("tp_comm_s", "TP all-reduces", "tab:purple"),
+             ("dp_comm_exposed_s", "DP (exposed)", "tab:green"), ("pa_s", "Pa all-gathers", "tab:olive"),
              ("offload_s", "Pa+cpu PCIe", "tab:brown"), ("optimizer_s", "optimizer", "tab:pink"))
 
 

@@ -5,11 +5,11 @@ comparisons (drawn in figures.py).
 The paper's points are built from conf/experiment/fig{2,3,4,8}.yaml through points.expand, run
 nothing, and need no records. Each point is predicted for the system the paper ran it with:
 
-| series | system | DP gradient reduction | ZeRO-R |
+| series | system (analysis/systems.py) | DP gradient reduction | ZeRO-R |
 |---|---|---|---|
-| Figure 2 Baseline | Megatron-LM (Sept 2019) | after backward (not overlapped) | none |
-| Figure 4 Baseline (DDP) | PyTorch DDP | overlapped with backward | none |
-| ZeRO (Figures 2-4), C1-C5 (Figure 8) | ZeRO-100B (DeepSpeed 2020) | overlap_comm off by default: not overlapped | per point, below |
+| Figure 2 Baseline | megatron2019 | one blocking all-reduce after backward | none |
+| Figure 4 Baseline (DDP) | pytorch_ddp | 25 MB buckets overlapped with backward | none |
+| ZeRO (Figures 2-4), C1-C5 (Figure 8) | deepspeed2020 | a reduce per partition per 5e8 bucket, overlap_comm off | per point, below |
 
 ZeRO-R per point: Figure 8's C1-C5 from Table 3 (results/paper/table3_zero_r_configs.csv);
 Figure 2's ZeRO points at MP > 1 run Pa (C4: the paper's ZeRO-100B is Pos+g + ZeRO-R, and the
@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from experiments.analysis import step_time as st
 from experiments.analysis.flops import recompute_factor
+from experiments.analysis.hardware import load_cluster, profile
 from experiments.analysis.memory import max_params, model_state_bytes
 from experiments.records import REPO
 
@@ -40,11 +41,6 @@ PAPER_DIR = REPO / "results" / "paper"
 CONF_DIR = REPO / "conf"
 FIGURES = ("fig2", "fig3", "fig4", "fig8")
 PAPER_CLUSTER, TODAY_CLUSTER = "dgx2_v100", "dgx_h100"
-SYSTEMS = {
-    "megatron": {"overlap": False, "label": "Megatron-LM 2019", "source": st.SOURCES["overlap.megatron"]},
-    "torch_ddp": {"overlap": True, "label": "PyTorch DDP", "source": st.SOURCES["overlap.torch_ddp"]},
-    "zero100b": {"overlap": False, "label": "ZeRO-100B (DeepSpeed 2020)", "source": st.SOURCES["overlap.deepspeed_zero"]},
-}
 
 
 # -- the paper's points ------------------------------------------------------------------------
@@ -71,24 +67,29 @@ def paper_system(point) -> dict:
     """The system and ZeRO-R configuration the paper ran this point with (module docstring)."""
     note, label = point.note, point.model.get("label", "")
     if note == "Baseline":
-        return {"system": "megatron", "zero_r": "-", "basis": "Table 5 baseline: Megatron-LM MP"}
+        return {"system": "megatron2019", "zero_r": "-", "basis": "Table 5 baseline: Megatron-LM MP"}
     if note == "Baseline (DDP)":
-        return {"system": "torch_ddp", "zero_r": "-", "basis": "Table 10 baseline: PyTorch DDP"}
+        return {"system": "pytorch_ddp", "zero_r": "-", "basis": "Table 10 baseline: PyTorch DDP"}
     if note in zero_r_flags():
-        return {"system": "zero100b", "zero_r": note, "basis": "Table 9 row, C-config inferred (results/paper)"}
+        return {"system": "deepspeed2020", "zero_r": note, "basis": "Table 9 row, C-config inferred (results/paper)"}
     if point.tp == 1:
-        return {"system": "zero100b", "zero_r": "C3", "basis": "MP 1: Pa has nothing to partition"}
+        return {"system": "deepspeed2020", "zero_r": "C3", "basis": "MP 1: Pa has nothing to partition"}
     if point.experiment == "fig3":
-        return {"system": "zero100b", "zero_r": "C5", "basis": "DeepSpeedExamples hyperscale config7_*: PA, PA-CPU on"}
+        return {"system": "deepspeed2020", "zero_r": "C5", "basis": "DeepSpeedExamples hyperscale config7_*: PA, PA-CPU on"}
     if label == "170B":
-        return {"system": "zero100b", "zero_r": "C5", "basis": "Sec 10.5: Pa+cpu needed for 170B"}
-    return {"system": "zero100b", "zero_r": "C4", "basis": "ZeRO-100B = Pos+g + ZeRO-R; sweep files: PA on"}
+        return {"system": "deepspeed2020", "zero_r": "C5", "basis": "Sec 10.5: Pa+cpu needed for 170B"}
+    return {"system": "deepspeed2020", "zero_r": "C4", "basis": "ZeRO-100B = Pos+g + ZeRO-R; sweep files: PA on"}
 
 
 def paper_inputs(point) -> st.StepInputs:
-    sys = paper_system(point)
-    flags = zero_r_flags().get(sys["zero_r"], {"pa": False, "pa_cpu": False})
-    return st.inputs_from_point(point, overlap_grad_reduce=SYSTEMS[sys["system"]]["overlap"], **flags)
+    """The point with its ZeRO-R flags; the system's own overlap and buckets."""
+    flags = zero_r_flags().get(paper_system(point)["zero_r"], {"pa": False, "pa_cpu": False})
+    return st.inputs_from_point(point, **flags)
+
+
+def paper_prediction(point, hardware=None) -> st.StepTime:
+    """The point predicted for the system the paper ran it with, on dgx2_v100 by default."""
+    return st.predict(paper_inputs(point), hardware or profile(PAPER_CLUSTER), paper_system(point)["system"])
 
 
 # -- the paper's numbers -----------------------------------------------------------------------
@@ -140,16 +141,15 @@ def predicted_rows(records: list[dict] | None = None) -> list[dict]:
     the paper's cluster with its breakdown, the same recipe on DGX H100 nodes, and what records
     of the point say (measured TFLOPs; the prediction redone with a simulated record's engine
     counts)."""
-    v100, h100 = st.hardware(PAPER_CLUSTER), st.hardware(TODAY_CLUSTER)
+    v100, h100 = profile(PAPER_CLUSTER), profile(TODAY_CLUSTER)
     by_point = _records_by_point(records or [])
     readings = figure_readings()
     rows = []
     for experiment in FIGURES:
         for point in paper_points(experiment):
-            x = paper_inputs(point)
-            pred, today = st.predict(x, v100), st.predict(x, h100)
+            x, sys = paper_inputs(point), paper_system(point)
+            pred, today = st.predict(x, v100, sys["system"]), st.predict(x, h100, sys["system"])
             series, label = _series(point), _x(point)
-            sys = paper_system(point)
             printed, text_value, claim = TEXT_NUMBERS.get((experiment, series, label), ("-", None, ""))
             reading = readings.get((experiment, series, label))
             found = by_point.get(_point_key(point), [])
@@ -159,23 +159,19 @@ def predicted_rows(records: list[dict] | None = None) -> list[dict]:
                          and r.get("comm", {}).get("by_purpose") is not None]
             engine = None
             if simulated:
-                purposes = simulated[0]["comm"]["by_purpose"]
-                counted = replace(x, dp_grad_bytes=float(purposes.get("grads", {}).get("bytes", 0)),
-                                  dp_param_bytes=float(purposes.get("params", {}).get("bytes", 0)))
-                engine = st.predict(counted, v100).tflops_per_gpu
+                counted = replace(x, engine_counts=simulated[0]["comm"]["by_purpose"])
+                engine = st.predict(counted, v100, "zero_repro").tflops_per_gpu
             rows.append({
                 "figure": experiment, "series": series, "model": label, "params_B": point_params(point) / 1e9,
                 "gpus": point.gpus, "mp": point.tp, "dp": point.dp, "micro_batch": point.micro_batch,
-                "stage": point.stage, "zero_r": sys["zero_r"], "system": SYSTEMS[sys["system"]]["label"],
+                "stage": point.stage, "zero_r": sys["zero_r"], "system": sys["system"],
                 "paper_text": printed, "paper_text_claim": claim, "paper_text_value": text_value,
                 "ds_figure_APPROX": reading,
                 "predicted": pred.tflops_per_gpu,
                 "pred_over_text": pred.tflops_per_gpu / text_value if text_value else None,
                 "pred_over_ds_figure": pred.tflops_per_gpu / reading if reading else None,
-                "step_s": pred.step_s, "compute_s": pred.compute_s, "tp_comm_s": pred.tp_comm_s,
-                "dp_comm_s": pred.dp_comm_s, "pa_s": pred.pa_s, "offload_s": pred.offload_s,
-                "optimizer_s": pred.optimizer_s, "tp_link": pred.tp_link, "dp_link": pred.dp_link,
-                "predicted_h100": today.tflops_per_gpu, "h100_tp_link": today.tp_link,
+                "step_s": pred.step_s, **{f"{term}_s": pred.terms[term] for term in st.TERMS},
+                "dominant": pred.dominant(), "predicted_h100": today.tflops_per_gpu,
                 "measured": max(measured) if measured else None,
                 "predicted_engine_counts": engine,
             })
@@ -203,8 +199,10 @@ THROUGHPUT_COLUMNS = {
     "micro_batch": "batch/replica", "zero_r": "ZeRO-R", "paper_text": "paper text (TFLOPs/GPU)",
     "ds_figure_APPROX": "DeepSpeed figure, APPROX", "predicted": "predicted", "pred_over_text": "pred/text",
     "pred_over_ds_figure": "pred/figure", "speedup_predicted": "ZeRO/baseline pred",
-    "speedup_ds_figure_APPROX": "ZeRO/baseline figure APPROX", "compute_s": "compute s", "tp_comm_s": "TP comm s",
-    "dp_comm_s": "DP comm s (exposed)", "pa_s": "Pa s", "offload_s": "Pa+cpu s", "optimizer_s": "optimizer s",
+    "speedup_ds_figure_APPROX": "ZeRO/baseline figure APPROX", "system": "system", "step_s": "step s",
+    "compute_gemm_s": "GEMM s", "compute_memory_bound_s": "memory-bound s", "kernel_floors_s": "kernel floors s",
+    "tp_comm_s": "TP comm s", "dp_comm_exposed_s": "DP comm s (exposed)", "pa_s": "Pa s", "offload_s": "Pa+cpu s",
+    "optimizer_s": "optimizer s", "dominant": "dominant term",
     "predicted_h100": "same recipe on DGX H100", "measured": "measured", "predicted_engine_counts": "pred. w/ engine counts",
 }
 
@@ -312,8 +310,8 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
     best = max(speedups, key=speedups.get)
     mid = [r for r in zero2 if r["model"] in ("8B", "40B", "60B", "80B", "100B")]
     avg_pf = sum(r["predicted"] * r["gpus"] for r in mid) / len(mid) / 1000
-    v100 = st.hardware(PAPER_CLUSTER)
-    peak_pf = v100.peak_tflops * 400 / 1000
+    v100 = load_cluster(PAPER_CLUSTER)
+    peak_pf = v100["peak_tflops"] * 400 / 1000
     fig3 = sorted(_rows_by(rows, "fig3"), key=lambda r: r["gpus"])
     agg = [(r["gpus"], r["predicted"] * r["gpus"]) for r in fig3]
     doubling = ", ".join(f"{g1}->{g2}: x{a2 / a1:.2f} (GPUs x{g2 / g1:.2f})" for (g1, a1), (g2, a2) in zip(agg, agg[1:]))
@@ -369,7 +367,7 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
         "S1-1": (f"{dp_only_max:.1f}B (model states alone: 16Ψ <= 32 GB)" + (f"; 1.38B DDP simulated: {sim138}" if sim138 else ""),
                  "simulated" if sim138 else "formula",
                  "16Ψ bytes; activations and buffers bring it lower (dry runs: experiments/sweep.py dry_run=true)"),
-        "S1-2": (f"{b40['predicted']:.1f} TFLOPs/GPU ({100 * b40['predicted'] / v100.peak_tflops:.1f}% of peak)", "predicted",
+        "S1-2": (f"{b40['predicted']:.1f} TFLOPs/GPU ({100 * b40['predicted'] / v100['peak_tflops']:.1f}% of peak)", "predicted",
                  "Figure 2's 40B baseline: MP 32 over two DGX-2 nodes"),
         "S1-3": (f"{16 / (4 + 12 / 64):.2f}x at Nd = 64 (-> 4x)", "formula", "16Ψ / (4Ψ + 12Ψ/Nd)"),
         "S1-4": (f"{16 / (2 + 14 / 64):.2f}x at Nd = 64 (-> 8x)", "formula", "16Ψ / (2Ψ + 14Ψ/Nd)"),
@@ -412,15 +410,15 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
         "S7-3": comm(3, 3),
         "S8-1": (f"{st.TP_ALLREDUCES_PER_LAYER[True]} all-reduces x 2 x s·h·b = 12·s·h·b", "formula",
                  "step_time.tp_comm_s: 2 forward + 2 recomputed forward + 2 backward"),
-        "S8-2": (f"s·h·b per block: {100 / 12:.1f}% of 12·s·h·b", "formula", "step_time.pa_allgather_s"),
-        "S8-3": (f"{v100.gpus_per_node}", "config", "conf/cluster/dgx2_v100.yaml gpus_per_node"),
+        "S8-2": (f"s·h·b per block: {100 / 12:.1f}% of 12·s·h·b", "formula", "step_time.pa_s"),
+        "S8-3": (f"{v100['gpus_per_node']}", "config", "conf/cluster/dgx2_v100.yaml gpus_per_node"),
         "S8-4": ("2 PCIe copies per checkpoint (out in forward, back in backward)", "formula", "step_time.offload_s"),
         "S9-1": (f"{max_params(32e9, 0, 1, 16) / 1e9:.0f}B by model states alone (16Ψ <= 16 x 32 GB)", "formula",
                  "an upper bound; the paper's 16-20B includes activations"),
         "S9-2": ("-", "not checked", "another paper's BERT result"),
         "S9-3": (f"{1e12 / 330e6:.0f}x", "formula", "1e12 / 330e6"),
         "S9-4": ("-", "not checked", "the paper does not give the estimate's inputs"),
-        "S10-1": (f"{v100.gpus_per_node} GPUs/node, {v100.inter_node_gbps:g} Gbps/node", "config",
+        "S10-1": (f"{v100['gpus_per_node']} GPUs/node, {v100['inter_node_gbps']:g} Gbps/node", "config",
                   "conf/cluster/dgx2_v100.yaml"),
         "S10-2": ("-", "not checked", "software versions"),
         "S10-3": ("-", "not checked", "Megatron-LM's own result"),
@@ -429,13 +427,14 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
                   "2Ψ/16 + 14Ψ/(16·25) and s·b·h·l·2/16 at b = 12: near 32 GB before buffers, hence Pa+cpu"),
         "S10-5": (f"{avg_pf:.1f} PFLOPs average ({100 * avg_pf / peak_pf:.0f}% of {peak_pf:g} PF peak)", "predicted",
                   "mean over Figure 2's ZeRO 8B, 40B, 60B, 80B, 100B points x 400 GPUs"),
-        "S10-6": (f"{2 * v100.intra_node_gb_per_s:g} GB/s per GPU NVSwitch (both directions), "
-                  f"{v100.inter_node_gbps / 8 / 8:g} GB/s per IB link", "config", "conf/cluster/dgx2_v100.yaml"),
+        "S10-6": (f"{v100['nvlink_links']} NVLinks x {v100['nvlink_link_gb_per_s']:g} GB/s per direction into NVSwitch "
+                  f"(NCCL's width; 25 on the datasheet), {v100['inter_node_gbps'] / 8 / v100['nics_per_node']:g} GB/s per IB link",
+                  "config", "conf/cluster/dgx2_v100.yaml"),
         "S10-7": (f"up to {speedups[best]:.1f}x ({best})", "predicted", "max over Figure 2 sizes 1.5B-170B"),
         "S10-8": (f"per GPU {per_gpu}", "predicted", "see S1-9"),
         "S10-9": (f"{avg4:.1f} TFLOPs/GPU average (1.5B-13B)", "predicted", "mean over Figure 4's ZeRO points"),
         "S10-10": (f"{ddp138['predicted']:.1f} TFLOPs/GPU (1.38B DDP, batch 1)", "predicted",
-                   "Figure 4's DDP baseline: " + ("the all-reduce outlasts a batch-1 backward" if ddp138["dp_comm_s"] > 0
+                   "Figure 4's DDP baseline: " + ("the all-reduce outlasts a batch-1 backward" if ddp138["dp_comm_exposed_s"] > 0
                                                   else "the all-reduce hides under even a batch-1 backward")),
         "S10-11": fig6,
         "S10-12": ("16x", "formula", "Pa divides each checkpoint over the 16 MP ranks"),

@@ -1,0 +1,230 @@
+"""The kernels one GPU runs for a GPT training step at its per-GPU shape (after TP slicing), each
+with its FLOPs and the bytes it moves, and its time on a Hardware profile.
+
+The list is Megatron-LM 2019's unfused layer (`mpu/transformer.py` @ a1d04b79, the model the
+ZeRO paper's runs and baselines used; ../shared/perf/SOURCES.md §2 lists it): per layer, with
+T = b·s tokens, h hidden, a heads, t the MP degree, e bytes per element, S = b·(a/t)·s² scores,
+
+- replicated on every TP rank (T·h elements): two layernorms, the two bias adds after the
+  row-parallel all-reduces, two dropouts, two residual adds;
+- partitioned (T·h/t, T·4h/t): the QKV and MLP-up bias adds, q and k scaled by 1/(h/a)^(1/4)
+  each, the permute().contiguous() copies of q, k, v and the context, the GeLU;
+- on the scores (S): mask multiply and subtract (two kernels), softmax, attention dropout;
+- GEMMs: QKV (T, 3h/t, h), scores (b·a/t batches of (s, s, h/a)), context (s, h/a, s),
+  projection (T, h, h/t), MLP up (T, 4h/t, h), down (T, h, 4h/t).
+
+Per step: the embedding (gather, position add, dropout), the final layernorm, the logits GEMM
+(T, V/t, h) and the vocab-parallel cross entropy in fp32 (the logits up-cast, max, subtract,
+exp, sum, divide; pretrain_gpt2.py:274). Backward: every GEMM's two (input and weight
+gradients), every elementwise op's backward (listed per op below). With recomputation each
+layer's forward runs again in backward (the logits and loss are not recomputed).
+
+A kernel's time is max(FLOPs / (peak x gemm efficiency(m, n, k)), bytes / (HBM x achievable
+fraction)) + count x the per-kernel floor (launch and host overhead).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from experiments.analysis.hardware import Hardware
+
+MASK_BYTES = 1  # a dropout mask element (torch's bool/uint8)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel (or `count` identical launches): its FLOPs, bytes moved, and for a GEMM the
+    shape the GemmModel is asked, (batch·m, n, k)."""
+
+    name: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    gemm: tuple[int, int, int] | None = None
+    count: int = 1
+
+    def times(self, hw: Hardware) -> tuple[float, float]:
+        """(device seconds, floor seconds): max(FLOP time, byte time), count x the floor."""
+        flop_s = self.flops / (hw.peak_flops * hw.gemm.efficiency(*self.gemm)) if self.gemm else 0.0
+        return max(flop_s, self.bytes / hw.stream_bytes_per_s), self.count * hw.kernel_floor_s
+
+
+def gemm(name: str, m: int, n: int, k: int, e: int, batch: int = 1) -> Kernel:
+    """(m x k) @ (k x n), `batch` times: reads both operands, writes the output."""
+    return Kernel(name, flops=2.0 * batch * m * n * k, bytes=float(batch * (m * k + k * n + m * n) * e),
+                  gemm=(batch * m, n, k))
+
+
+def elementwise(name: str, elements: float, reads: float, writes: float, e: int, extra_bytes: float = 0.0,
+                count: int = 1) -> Kernel:
+    """A memory-bound op over `elements`: `reads` + `writes` passes of e bytes each (+ extra)."""
+    return Kernel(name, bytes=elements * (reads + writes) * e + extra_bytes, count=count)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One GPU's share of a GPT layer: micro-batch b, sequence s, hidden h, heads a, MP t."""
+
+    micro_batch: int
+    seq_len: int
+    hidden: int
+    heads: int
+    tp: int
+    vocab: int           # padded, whole (the logits GEMM gets vocab / tp columns)
+    element_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def scores(self) -> int:
+        return self.micro_batch * self.heads // self.tp * self.seq_len ** 2
+
+
+def _gemm_pair(name: str, m: int, n: int, k: int, e: int, batch: int = 1) -> list[Kernel]:
+    """The backward of Y = X W (m x k @ k x n): dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m)."""
+    return [gemm(f"{name} dgrad", m, k, n, e, batch), gemm(f"{name} wgrad", k, n, m, e, batch)]
+
+
+def layer_forward(x: LayerShape) -> list[Kernel]:
+    """One layer's forward (and its recomputation): module docstring."""
+    T, h, t, e, s = x.tokens, x.hidden, x.tp, x.element_bytes, x.seq_len
+    d, batch, S = h // x.heads, x.micro_batch * x.heads // t, x.scores
+    rep, part, ffn = T * h, T * h // t, T * 4 * h // t
+    return [
+        elementwise("layernorm 1", rep, 1, 1, e),
+        gemm("QKV", T, 3 * h // t, h, e),
+        elementwise("QKV bias", 3 * part, 1, 1, e),
+        elementwise("q, k, v permute copies", 3 * part, 1, 1, e, count=3),
+        elementwise("q, k scaling", 2 * part, 1, 1, e, count=2),
+        gemm("scores", s, s, d, e, batch),
+        elementwise("mask multiply, subtract", S, 2, 2, e, count=2),
+        elementwise("softmax", S, 1, 1, e),
+        elementwise("attention dropout", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
+        gemm("context", s, d, s, e, batch),
+        elementwise("context permute copy", part, 1, 1, e),
+        gemm("projection", T, h, h // t, e),
+        elementwise("projection bias", rep, 1, 1, e),
+        elementwise("dropout", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("residual add", rep, 2, 1, e),
+        elementwise("layernorm 2", rep, 1, 1, e),
+        gemm("MLP up", T, 4 * h // t, h, e),
+        elementwise("MLP up bias", ffn, 1, 1, e),
+        elementwise("GeLU", ffn, 1, 1, e),
+        gemm("MLP down", T, h, 4 * h // t, e),
+        elementwise("MLP down bias", rep, 1, 1, e),
+        elementwise("dropout", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("residual add", rep, 2, 1, e),
+    ]
+
+
+def layer_backward(x: LayerShape) -> list[Kernel]:
+    """One layer's backward: two GEMMs per forward GEMM; per elementwise op its gradient kernel
+    (layernorm: dx from x and dy, and a pass for its weights; a bias: a sum over the tokens;
+    dropout and mask: a multiply by the mask; softmax: dx from y and dy; GeLU: dx from x and dy;
+    residual: the two branches' gradients added; copies and scalings: one pass each)."""
+    T, h, t, e, s = x.tokens, x.hidden, x.tp, x.element_bytes, x.seq_len
+    d, batch, S = h // x.heads, x.micro_batch * x.heads // t, x.scores
+    rep, part, ffn = T * h, T * h // t, T * 4 * h // t
+    return [
+        elementwise("residual grad add", rep, 2, 1, e),
+        elementwise("dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("MLP down bias grad", rep, 1, 0, e),
+        *_gemm_pair("MLP down", T, h, 4 * h // t, e),
+        elementwise("GeLU bwd", ffn, 2, 1, e),
+        elementwise("MLP up bias grad", ffn, 1, 0, e),
+        *_gemm_pair("MLP up", T, 4 * h // t, h, e),
+        elementwise("layernorm 2 bwd", rep, 2, 1, e),
+        elementwise("layernorm 2 weight grads", rep, 2, 0, e),
+        elementwise("residual grad add", rep, 2, 1, e),
+        elementwise("dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("projection bias grad", rep, 1, 0, e),
+        *_gemm_pair("projection", T, h, h // t, e),
+        elementwise("context permute copy bwd", part, 1, 1, e),
+        gemm("context dP", s, s, d, e, batch),
+        gemm("context dV", s, d, s, e, batch),
+        elementwise("attention dropout bwd", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
+        elementwise("softmax bwd", S, 2, 1, e),
+        elementwise("mask bwd", S, 1, 1, e),
+        gemm("scores dQ", s, d, s, e, batch),
+        gemm("scores dK", s, d, s, e, batch),
+        elementwise("q, k scaling bwd", 2 * part, 1, 1, e, count=2),
+        elementwise("q, k, v permute copies bwd", 3 * part, 1, 1, e, count=3),
+        elementwise("QKV bias grad", 3 * part, 1, 0, e),
+        *_gemm_pair("QKV", T, 3 * h // t, h, e),
+        elementwise("layernorm 1 bwd", rep, 2, 1, e),
+        elementwise("layernorm 1 weight grads", rep, 2, 0, e),
+    ]
+
+
+def head_forward(x: LayerShape) -> list[Kernel]:
+    """Once per micro-batch: embedding, final layernorm, logits, fp32 cross entropy."""
+    T, h, t, e = x.tokens, x.hidden, x.tp, x.element_bytes
+    rep, logits = T * h, T * x.vocab // t
+    return [
+        elementwise("word embedding gather", rep, 0, 1, e),
+        elementwise("position embedding gather", rep, 0, 1, e),
+        elementwise("embedding add", rep, 2, 1, e),
+        elementwise("embedding dropout", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("final layernorm", rep, 1, 1, e),
+        gemm("logits", T, x.vocab // t, h, e),
+        # up-cast (e in, 4 out), max (4), subtract (8), exp (8), sum (4), divide (8): fp32 passes
+        elementwise("cross entropy (fp32)", logits, 0, 0, e, extra_bytes=logits * (e + 32), count=6),
+    ]
+
+
+def head_backward(x: LayerShape) -> list[Kernel]:
+    T, h, t, e = x.tokens, x.hidden, x.tp, x.element_bytes
+    rep, logits = T * h, T * x.vocab // t
+    return [
+        # softmax - one-hot, times the loss gradient (8 + 8 bytes fp32), down-cast (4 in, e out)
+        elementwise("cross entropy bwd (fp32)", logits, 0, 0, e, extra_bytes=logits * (16 + 4 + e), count=3),
+        *_gemm_pair("logits", T, x.vocab // t, h, e),
+        elementwise("final layernorm bwd", rep, 2, 1, e),
+        elementwise("final layernorm weight grads", rep, 2, 0, e),
+        elementwise("embedding dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("word embedding grad (zero, scatter)", rep, 1, 1, e,
+                    extra_bytes=x.vocab // t * h * e, count=2),
+        elementwise("position embedding grad", rep, 1, 1, e),
+    ]
+
+
+def step_kernels(x: LayerShape, layers: int, recompute: bool) -> dict[str, list[tuple[Kernel, int]]]:
+    """One micro-batch's kernels by phase, each with how many times it runs: forward, the
+    recomputed forward (empty without recomputation), backward."""
+    fwd, bwd = layer_forward(x), layer_backward(x)
+    return {"forward": [(k, layers) for k in fwd] + [(k, 1) for k in head_forward(x)],
+            "recompute": [(k, layers) for k in fwd] if recompute else [],
+            "backward": [(k, layers) for k in bwd] + [(k, 1) for k in head_backward(x)]}
+
+
+@dataclass(frozen=True)
+class ComputeTime:
+    """Seconds of a set of kernels: GEMMs, memory-bound kernels, floors."""
+
+    gemm_s: float = 0.0
+    memory_bound_s: float = 0.0
+    floors_s: float = 0.0
+    flops: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.memory_bound_s + self.floors_s
+
+    def __add__(self, other: "ComputeTime") -> "ComputeTime":
+        return ComputeTime(self.gemm_s + other.gemm_s, self.memory_bound_s + other.memory_bound_s,
+                           self.floors_s + other.floors_s, self.flops + other.flops)
+
+
+def compute_time(kernels: list[tuple[Kernel, int]], hw: Hardware) -> ComputeTime:
+    """Sum over (kernel, repeats): a GEMM's device time counts as GEMM, the rest memory-bound."""
+    g = m = f = flops = 0.0
+    for kernel, repeats in kernels:
+        device, floor = kernel.times(hw)
+        if kernel.gemm:
+            g += device * repeats
+        else:
+            m += device * repeats
+        f += floor * repeats
+        flops += kernel.flops * repeats
+    return ComputeTime(g, m, f, flops)
