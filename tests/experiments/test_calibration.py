@@ -1,0 +1,127 @@
+"""make calibrate's profile and the CPU prediction check: the profile round-trips into a Hardware,
+the measured GEMM table and gloo fits give hand-checked values, and the prediction_check table
+is built from fixture records and a fixture profile. No timing is asserted: speed is measured
+by `make calibrate`, never by a test; these check the plumbing and the arithmetic."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from experiments.analysis import calibrated
+from experiments.calibration import collectives, compute, profile as calibration_profile
+from experiments.reports import prediction_check as pc
+
+REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference" / "runs" / "cpu_default"
+
+# Round numbers, so every expected value below is worked by hand.
+PROFILE = {
+    "host": "testhost", "cpu": "Test CPU", "cpu_count": 2, "date": "2026-01-01T00:00:00Z",
+    "torch": "2.x", "threads": 1, "dtype": "float32", "load_average": [0.0, 0.0, 0.0], "note": "fixture",
+    "op_floor": {"forward_s": 3e-6, "backward_s": 4e-6},
+    "framework": {"shape": {"hidden": 8, "heads": 1, "seq_len": 8, "vocab_size": 16}, "micro_batch": 1,
+                  "recompute": True, "layers": [1, 4], "step_s": [0.004, 0.010]},
+    "stream": {"array_bytes": 2 ** 28, "bytes_per_s": 10e9},
+    "gemm": [{"m": 64, "n": 64, "k": 64, "batch": 1, "seconds": 0.0, "flops_per_s": 1e9},
+             {"m": 256, "n": 64, "k": 64, "batch": 1, "seconds": 0.0, "flops_per_s": 3e9},
+             {"m": 512, "n": 64, "k": 64, "batch": 1, "seconds": 0.0, "flops_per_s": 4e9}],
+    "collectives": {2: {kind: {"latency_s": 1e-4, "bytes_per_s": 1e9, "times_s": {8: 1e-4}}
+                        for kind in collectives.KINDS}},
+}
+
+
+def test_profile_round_trips_through_yaml_into_a_hardware(tmp_path):
+    path = tmp_path / "testhost.yaml"
+    path.write_text(yaml.safe_dump(PROFILE, sort_keys=False))
+    assert calibrated.load_profile(path) == PROFILE
+    hw = calibrated.load_calibrated(path)
+    assert hw.name == "calibrated:testhost"
+    assert hw.peak_flops == 4e9                      # the best measured GEMM rate
+    assert hw.stream_bytes_per_s == 10e9             # measured: fraction 1
+    assert hw.gpus_per_node == 2
+    assert all("testhost" in hw.sources[k] and "2026-01-01" in hw.sources[k]
+               for k in ("peak_flops", "hbm_bytes_per_s", "kernel_floor_s", "gemm", "collectives"))
+
+
+def test_measured_gemm_returns_its_own_rates_and_interpolates_between_them():
+    gemm = calibrated.MeasuredGemm(((64, 64, 64, 1e9), (256, 64, 64, 3e9)), peak_flops=4e9)
+    assert gemm.efficiency(256, 64, 64) == 3e9 / 4e9
+    # (128, 64, 64) is one log2 step from each: equal weights, the mean rate
+    assert gemm.rate(128, 64, 64) == pytest.approx(2e9)
+    # ... and from (64, 64, 64) 1 step, from (512, 64, 64) 2 steps: weights 1 and 1/4
+    far = calibrated.MeasuredGemm(((64, 64, 64, 1e9), (512, 64, 64, 4e9)), peak_flops=4e9)
+    assert far.rate(128, 64, 64) == pytest.approx((1e9 + 4e9 / 4) / 1.25)
+    assert far.efficiency(128, 64, 64) == pytest.approx(1.6e9 / 4e9)
+
+
+def test_measured_collectives_are_latency_plus_bytes_over_bandwidth():
+    c = calibrated.MeasuredCollectives({2: {"all_reduce": (1e-4, 1e9), "all_gather": (2e-4, 5e8)}})
+    assert c.time_s("all_reduce", 1e6, 2, 2) == pytest.approx(1e-4 + 1e-3)
+    assert c.time_s("all_gather", 1e6, 2, 2) == pytest.approx(2e-4 + 2e-3)
+    assert c.time_s("all_gather", 1e6, 2, 2, concurrent=2) == pytest.approx(2e-4 + 4e-3)  # sharing the loopback
+    assert c.time_s("all_reduce", 1e6, 1, 1) == 0.0
+    with pytest.raises(ValueError, match="world 4"):
+        c.time_s("all_reduce", 1e6, 4, 4)
+    with pytest.raises(ValueError, match="allowed"):
+        c.time_s("gather", 1e6, 2, 2)
+
+
+def test_gloo_fit_latency_from_small_sizes_bandwidth_from_large():
+    times = {8: 1e-4, 128: 1.2e-4, 2048: 1e-4, 2 ** 15: 5e-4,  # 32 KiB: neither latency nor bandwidth
+             2 ** 19: 1e-4 + 2 ** 19 / 1e9, 2 ** 21: 1e-4 + 2 ** 21 / 1e9, 2 ** 23: 1e-4 + 2 ** 23 / 2e9}
+    fit = collectives.fit(times)
+    assert fit["latency_s"] == pytest.approx(1e-4)             # median of 1e-4, 1.2e-4, 1e-4
+    assert fit["bytes_per_s"] == pytest.approx(1e9)            # median of 1e9, 1e9, 2e9
+
+
+def test_sweep_gemm_shapes_are_the_tiny_models_layers():
+    shapes = compute.sweep_gemm_shapes(["tiny_s"], micro_batch=4)  # h 64, 4 heads, seq 64, vocab 1000 -> 1024
+    assert (1, 256, 192, 64) in shapes   # QKV forward: 256 tokens x 64 @ 64 x 192
+    assert (1, 192, 64, 256) in shapes   # its weight gradient
+    assert (1, 256, 1024, 64) in shapes  # logits
+    assert (16, 64, 64, 16) in shapes    # scores: 4 x 4 heads of 64 x 16 @ 16 x 64
+    assert (16, 64, 16, 64) in shapes    # context
+
+
+def test_worlds_measured_only_where_the_cores_run_them(monkeypatch):
+    for cores, worlds in ((1, []), (2, [2]), (3, [2]), (8, [2, 4])):
+        monkeypatch.setattr(calibration_profile.os, "cpu_count", lambda c=cores: c)
+        assert calibration_profile.runnable_worlds() == worlds
+
+
+def _record(name: str, host: str = "testhost") -> dict:
+    r = json.loads((REFERENCE / name).read_text())
+    r["hardware"] = {**r["hardware"], "host": host}
+    return r
+
+
+def test_prediction_check_table_from_fixture_records_and_profile(monkeypatch):
+    g1, g2, g4 = (_record(f) for f in ("tiny_s-s2-g1-tp1-mb4-74a5468b.json", "tiny_s-s2-g2-tp1-mb4-806faeaf.json",
+                                       "tiny_s-s2-g4-tp1-mb4-112524ec.json"))
+    other_host = _record("tiny_m-s2-g1-tp1-mb4-ddb9889b.json", host="elsewhere")
+    simulated = {**copy.deepcopy(g1), "measured_by": "simulated"}
+    g1["step_time_s"], g2["step_time_s"] = 0.02, 0.04
+    predicted = {1: 0.03, 2: 0.02}  # per world: ratios 1.5 and 0.5
+    seen = []
+
+    def fake_predict(inputs, hw, system):
+        seen.append((inputs.dp, hw.name, system))
+        return SimpleNamespace(step_s=predicted[inputs.dp], terms={"compute_gemm": 1.0, "kernel_floors": 2.0})
+    monkeypatch.setattr(pc.st, "predict", fake_predict)
+    table = pc.prediction_check([g4, g2, other_host, simulated, g1], PROFILE)
+    rows = table.iloc[:-3]
+    assert list(rows["point"]) == ["tiny_s stage 2 world 1", "tiny_s stage 2 world 2"]  # g4: 4 ranks > 2 cores
+    assert list(rows["ratio"]) == pytest.approx([1.5, 0.5])
+    assert list(rows["largest term"]) == ["kernel_floors"] * 2
+    assert sorted(seen) == [(1, "calibrated:testhost", "zero_repro"), (2, "calibrated:testhost", "zero_repro")]
+    summary = dict(zip(table["point"].iloc[-3:], table["ratio"].iloc[-3:]))
+    assert summary == pytest.approx({"median |ratio - 1|": 0.5, "max |ratio - 1|": 0.5, "worst factor": 2.0})
+
+
+def test_prediction_check_says_how_to_make_a_profile_when_none_exists(tmp_path):
+    table, line = pc.from_default_profile([], tmp_path / "none.yaml")
+    assert table is None and "make calibrate" in line
