@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from experiments.analysis.hardware import COLLECTIVE_KINDS, Hardware
+from experiments.analysis.kernels import LayerShape, step_kernels
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "results" / "calibration"
 NEAREST = 4  # table entries an off-table GEMM is interpolated from
@@ -72,6 +73,23 @@ def load_profile(path: str | Path) -> dict:
         return yaml.safe_load(f)
 
 
+def kernels_per_step(framework: dict, layers: int) -> int:
+    """Kernels the step-time model counts for one step of the vanishing-shape model (fp32)."""
+    shape = framework["shape"]
+    x = LayerShape(framework["micro_batch"], shape["seq_len"], shape["hidden"], shape["heads"], 1,
+                   shape["vocab_size"], 4)
+    return sum(k.count * repeats for phase in step_kernels(x, layers, framework["recompute"]).values()
+               for k, repeats in phase)
+
+
+def kernel_floor_s(framework: dict) -> float:
+    """The per-kernel floor of a CPU rank: the host time the sweep's own model adds per layer at a
+    shape where its kernels do no work (calibration/framework.py), over the kernels the model
+    counts per layer (kernels.step_kernels: forward, recomputed forward, backward)."""
+    (l0, l1), (t0, t1) = framework["layers"], framework["step_s"]
+    return (t1 - t0) / (kernels_per_step(framework, l1) - kernels_per_step(framework, l0))
+
+
 def hardware_from_profile(p: dict) -> Hardware:
     """The Hardware a measured profile describes (see load_calibrated)."""
     where = f"measured by make calibrate on {p['host']} ({p['cpu']}), {p['date']}, torch {p['torch']}, {p['threads']} thread(s)"
@@ -83,14 +101,15 @@ def hardware_from_profile(p: dict) -> Hardware:
     return Hardware(
         name=f"calibrated:{p['host']}", peak_flops=peak,
         hbm_bytes_per_s=stream, hbm_fraction=1.0,  # the measured rate is what a streaming op achieves
-        kernel_floor_s=p["op_floor"]["forward_s"],
+        kernel_floor_s=kernel_floor_s(p["framework"]),
         gpus_per_node=int(p["cpu_count"]),  # ranks per host: every rank is a process here
         pcie_bytes_per_s=stream,  # "host <-> device" is a copy within the same memory
         gemm=MeasuredGemm(gemm, peak), collectives=MeasuredCollectives(fits),
         sources={"peak_flops": f"best GEMM rate of {len(gemm)} shapes, {where}",
                  "hbm_bytes_per_s": f"out = a + b over {p['stream']['array_bytes']} B arrays, {where}",
                  "hbm_fraction": "1: the streaming rate is measured, not a datasheet peak",
-                 "kernel_floor_s": f"a one-element op's forward through autograd, {where}",
+                 "kernel_floor_s": f"host time per layer of the sweep's model at a vanishing shape over the kernels "
+                                   f"the model counts per layer (one op alone: {p['op_floor']['forward_s'] * 1e6:.1f} us), {where}",
                  "gpus_per_node": "os.cpu_count(): the ranks of one host",
                  "pcie_bytes_per_s": "the streaming rate: host and device share one memory",
                  "gemm": f"interpolated GEMM table, {where}",
