@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from zero_impl.config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
+from zero_impl import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
 from experiments.analysis.hardware import from_cluster
 from experiments.analysis.step_time import inputs_from_point, predict

@@ -3,17 +3,15 @@
     import zero_impl
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=2, precision="bf16"),
                                   optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4))
+
+The names below are the library's surface: the engine, its config and checkpoints, the kinds
+of the tensors it holds (ZeroEngine.state_tensors), the configuration tables (dtypes, stages,
+Table 3's ZeRO-R configurations) and the staging buffers in flight that its memory follows.
 """
-from . import loss_scaler
-from .config import ZeroConfig
-from .engine import ZeroEngine, initialize
+from . import checkpoint
+from .config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig, zero_r_config
+from .engine import STATE_KINDS, ZeroEngine, initialize
+from .grad_reducer import MAX_INFLIGHT_STAGING
 
-__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "checkpoint"]
-
-
-def __getattr__(name: str):
-    """`zero_impl.checkpoint` on first use (imported late so `python -m zero_impl.checkpoint` runs cleanly)."""
-    if name == "checkpoint":
-        import importlib
-        return importlib.import_module(".checkpoint", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "checkpoint", "STATE_KINDS", "DTYPES", "STAGES",
+           "ZERO_R_CONFIGS", "ZERO_R_SWITCHES", "zero_r_config", "MAX_INFLIGHT_STAGING"]

@@ -323,7 +323,23 @@ class ActivationCheckpoints:
         self.kept[pool] += nbytes
         self.peak_kept[pool] = max(self.peak_kept[pool], self.kept[pool])
 
-    def buffers(self) -> dict[str, int]:
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this module holds now (ZeroEngine.state_tensors): the kept part of each live
+        checkpoint and MD's arena, on the device ("checkpoints") or, with Pa+cpu, in host memory
+        ("host_checkpoints"), and the gather and prefetch pools' buffers ("buffers")."""
+        out: dict[str, list[torch.Tensor]] = {"checkpoints": [], "host_checkpoints": []}
+        kind = {"device": "checkpoints", "host": "host_checkpoints"}
+        for pool, arena in self.arenas.items():
+            if arena is not None:
+                out[kind[pool]].append(arena.data)
+        for ref in self.live.values():
+            ckpt = ref()
+            if ckpt is not None and ckpt.part is not None:
+                out[kind[ckpt.pool]].append(ckpt.part)
+        out["buffers"] = [b for pool in (self.gather_pool, self.prefetch_pool) for b in pool.buffers if b is not None]
+        return out
+
+    def buffer_bytes(self) -> dict[str, int]:
         """CB: bytes of each buffer this module allocated (peak), by name."""
         out = {"pa_gather": self.gather_pool.peak_bytes} if self.partition else {}
         if self.cpu:
@@ -343,7 +359,7 @@ class ActivationCheckpoints:
         if self.cpu:
             out["pa_cpu_prefetch"] = 2 * part
         if self.contiguous:
-            for name in self.buffers():
+            for name in self.buffer_bytes():
                 if name.startswith("md_arena"):
                     out[name] = self.number_checkpoints * part
         return out

@@ -13,23 +13,26 @@ is common to all stages.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from .activations import ActivationCheckpoints
+from .checkpoint import state_dict as engine_state
 from .comm import CommLedger, Communicator
 from .config import ZeroConfig
 from .flat_params import FlatParamBuffer
-from .grad_reducer import MAX_INFLIGHT_STAGING, BucketedGradReducer
-from .layout import BUCKET_ALIGN, PARAM_ALIGN, Slot, round_up
+from .grad_reducer import BucketedGradReducer
+from .layout import Slot
 from .loss_scaler import LossScaler
 from .memory import storage_bytes
 from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer
 from .stage3 import Stage3Params
 from .stage3_units import find_unit_modules
+
+# The kinds of ZeroEngine.state_tensors(): every tensor the engine holds is one of them.
+STATE_KINDS = ("params", "gathered_params", "grads", "optimizer_states", "buffers", "checkpoints", "host_checkpoints")
 
 
 class ZeroEngine(nn.Module):
@@ -94,8 +97,7 @@ class ZeroEngine(nn.Module):
         self.steps = 0
         self.closed = False
         self._boundary_traffic = [self.ledger.snapshot(), self.ledger.snapshot()]
-        from . import checkpoint  # imported late: `python -m zero_impl.checkpoint` runs it as a script
-        self._checkpoint_hooks = checkpoint.guard(self)  # the model's own state_dict() must not mislead
+        self._checkpoint_hooks = engine_state.guard(self)  # the model's own state_dict() must not mislead
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -199,18 +201,19 @@ class ZeroEngine(nn.Module):
         if self.closed:
             raise RuntimeError("this ZeroEngine is closed; build a new one with zero_impl.initialize()")
 
-    # -- checkpoints (checkpoint.py) --------------------------------------------------------
+    # -- checkpoints (checkpoint/state_dict.py) ---------------------------------------------
     def state_dict(self, *, destination: dict | None = None, prefix: str = "", keep_vars: bool = False) -> dict:
         """Everything needed to resume, keyed for torch.distributed.checkpoint (DCP): the fp32
         masters as `model.<name>`, the optimizer states, steps, loss scaler and RNG states; each
-        value is this rank's pieces of a full tensor (checkpoint.py). Replaces nn.Module's, which
-        would list the engine's model-precision views (and, at stage 3, empty shards).
+        value is this rank's pieces of a full tensor (checkpoint/state_dict.py). Before the first
+        step it creates the optimizer states, placeholders for dcp.load to fill. Replaces
+        nn.Module's, which would list the engine's model-precision views (and, at stage 3, empty
+        shards).
 
             dcp.save(engine.state_dict(), checkpoint_id=path)   # or zero_impl.checkpoint.save(engine, path)
         """
         self._check_open()
-        from . import checkpoint
-        sd = checkpoint.state_dict(self)
+        sd = engine_state.state_dict(self)
         if destination is None and not prefix:
             return sd
         destination = {} if destination is None else destination
@@ -220,11 +223,10 @@ class ZeroEngine(nn.Module):
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> None:
         """Resume from `state_dict`: engine.state_dict() filled by dcp.load, e.g.
         `sd = engine.state_dict(); dcp.load(sd, checkpoint_id=path); engine.load_state_dict(sd)`.
-        zero_impl.checkpoint.load(engine, path) does this, also before the first step and at
-        another world size. Call on every rank (stages 1-3 all-gather the loaded shards)."""
+        zero_impl.checkpoint.load(engine, path) does this at another world size too. Call on
+        every rank (stages 1-3 all-gather the loaded shards)."""
         self._check_open()
-        from . import checkpoint
-        checkpoint.load_state_dict(self, state_dict)
+        engine_state.load_state_dict(self, state_dict)
 
     # -- inspection -------------------------------------------------------------------------
     @torch.no_grad()
@@ -247,16 +249,45 @@ class ZeroEngine(nn.Module):
             out[name] = flat[s.start:s.end].view(p.shape).clone() if s else p.detach().to(flat.dtype, copy=True)
         return out
 
-    def memory(self) -> dict[str, int]:
-        """Model-state bytes on this rank, measured from live storages, by kind."""
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor this rank's engine holds, by kind (STATE_KINDS), each storage under one:
+
+            params            model-precision parameters: the stage 0-2 flat buffer, stage 3's
+                              shards and persistent unit, the model's parameters outside them
+                              (frozen ones at stages 0-2) and its buffers
+            gathered_params   stage 3: each unit's full buffer, whose storage has bytes only while
+                              the unit is gathered
+            grads             the gradient buffer (stages 0-1) or this rank's shards (stages 2-3)
+            optimizer_states  the fp32 masters (unless they are the model's shard) and the
+                              optimizer's states (Adam's moments and step counts)
+            buffers           working buffers alive now: gradient staging and reduce-scatter
+                              outputs, ZeRO-R's gather and prefetch pools
+            checkpoints       ZeRO-R: the kept part of each live activation checkpoint (and MD's
+                              arena) on the device; host_checkpoints: in host memory (Pa+cpu)
+
+        Each part says what it holds (FlatParamBuffer / Stage3Params, BucketedGradReducer,
+        ShardedOptimizer, ActivationCheckpoints .state_tensors()); memory() measures them.
+        """
         self._check_open()
-        measured = {
-            "params": storage_bytes([*self.module.parameters(), *self.params.param_tensors()]),
-            "grads": self.grads.grad_bytes(),
-            "optimizer_states": self.sharded_optimizer.state_bytes(),
-        }
+        out: dict[str, list[torch.Tensor]] = {kind: [] for kind in STATE_KINDS}
+        parts = [self.params, self.grads, self.sharded_optimizer, *([self.activations] if self.activations else [])]
+        for part in parts:
+            for kind, tensors in part.state_tensors().items():
+                out[kind] += tensors
+        held = {t.untyped_storage()._cdata for tensors in out.values() for t in tensors}
+        out["params"] += [t for t in (*self.module.parameters(), *self.module.buffers())
+                          if t.untyped_storage()._cdata not in held]
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """Model-state bytes on this rank, measured from the live storages of state_tensors(), by
+        kind; "buffers": the gradient staging alive now, "peak_buffers" at its largest."""
+        state = self.state_tensors()
+        measured = {"params": storage_bytes(state["params"] + state["gathered_params"]),
+                    "grads": storage_bytes(state["grads"]),
+                    "optimizer_states": storage_bytes(state["optimizer_states"])}
         measured["total"] = sum(measured.values())
-        measured["buffers"] = self.grads.buffer_bytes()
+        measured["buffers"] = storage_bytes(self.grads.state_tensors()["buffers"])
         measured["peak_buffers"] = self.grads.peak_buffer_bytes
         if self.config.stage == 3:
             measured["peak_gathered_params"] = self.params.peak_gathered_bytes
@@ -292,58 +323,43 @@ class ZeroEngine(nn.Module):
             "memory": self.memory(),
             "bytes_per_param": self.bytes_per_param(),
             "zero_r_config": self.config.zero_r_config,
-            "buffers": self.buffers(),
+            "buffers": self.buffer_bytes(),
             "buffer_limits": self.buffer_limits(),
             **stage3,
             **activations,
         }
 
-    def buffers(self) -> dict[str, int]:
+    def buffer_bytes(self) -> dict[str, int]:
         """CB (paper Section 6.2): bytes of each fused buffer the engine uses beyond the model
         states, at its largest so far: stage 2-3 gradient staging (live staging buckets and
         reduce-scatter outputs), the post-step parameter all-gathers in flight at once (stages
         1-2, in place in the parameter buffer), the norm's all-reduce, the masters one optimizer
         update covers (its temporaries scale with them), and ZeRO-R's (activations.py)."""
         self._check_open()
-        out = {"grad_staging": self.grads.peak_buffer_bytes, "norm": 2 * self._norm_itemsize(),
+        out = {"grad_staging": self.grads.peak_buffer_bytes, "norm": self.sharded_optimizer.norm_bytes(),
                "optimizer_step": self.sharded_optimizer.chunk_bytes()}
         if self.config.stage in (1, 2):
             out["allgather"] = self.params.allgather_bytes()
         if self.activations is not None:
-            out.update(self.activations.buffers())
+            out.update(self.activations.buffer_bytes())
         return out
 
     def buffer_limits(self) -> dict[str, int]:
-        """The size each of buffers() is held to by the config, whatever the model's size:
-        staging MAX_INFLIGHT_STAGING + 1 buckets (and as many reduce-scatter outputs in flight with
-        accumulation) of at most reduce_bucket_size elements plus layout.py's alignment (a single
-        parameter larger than that is a bucket of its own; stage 3: a unit); all-gathers in flight
-        of at most allgather_bucket_size elements or one larger bucket
-        (FlatParamBuffer.allgather_limit_bytes); 2 norm scalars; an update of
+        """The size the config holds each of buffer_bytes() to, whatever the model's size, as each
+        part computes it: the staging's MAX_INFLIGHT_STAGING + 1 buckets of at most
+        reduce_bucket_size elements plus alignment, or one larger parameter, or at stage 3 a unit
+        (BucketedGradReducer.staging_limit_bytes of the params' bucket_limit); the all-gathers in
+        flight (FlatParamBuffer.allgather_limit_bytes); the norm's 2 sums; an update of
         optimizer_bucket_size elements (ShardedOptimizer.chunk_limit_bytes); ZeRO-R's, one
         checkpoint each (ActivationCheckpoints.buffer_limits)."""
         self._check_open()
-        itemsize = self.config.grad_reduce_dtype.itemsize
-        n = self.dp.size if self.config.stage > 0 else 1
-        multiple = math.lcm(n, BUCKET_ALIGN)
-        if self.config.stage == 3:  # a unit's trainable parameters are one bucket: a layer sets the bound
-            bucket = max([b.numel for b in self.params.buckets], default=0)
-        else:  # each parameter may add up to PARAM_ALIGN - 1 elements of alignment
-            bucket = max([round_up(b.slots[0].numel if len(b.slots) == 1 else
-                                    self.config.reduce_bucket_size + (PARAM_ALIGN - 1) * len(b.slots), multiple)
-                          for b in self.params.buckets], default=0)
-        staging = (MAX_INFLIGHT_STAGING + 1) * bucket + MAX_INFLIGHT_STAGING * bucket // n if self.config.stage >= 2 else 0
-        out = {"grad_staging": staging * itemsize, "norm": 2 * self._norm_itemsize(),
-               "optimizer_step": self.sharded_optimizer.chunk_limit_bytes()}
+        out = {"grad_staging": self.grads.staging_limit_bytes(self.params.bucket_limit()),
+               "norm": self.sharded_optimizer.norm_bytes(), "optimizer_step": self.sharded_optimizer.chunk_limit_bytes()}
         if self.config.stage in (1, 2):
             out["allgather"] = self.params.allgather_limit_bytes()
         if self.activations is not None:
             out.update(self.activations.buffer_limits())
         return out
-
-    def _norm_itemsize(self) -> int:
-        return torch.promote_types(self.config.grad_reduce_dtype, torch.float32).itemsize
-
 
 
 def initialize(model: nn.Module, config: ZeroConfig, optimizer: OptimizerFactory,

@@ -16,12 +16,13 @@ masters the optimizer will hold anyway.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
 
 from .comm import Communicator
-from .layout import Bucket, Slot, build_buckets
+from .layout import BUCKET_ALIGN, PARAM_ALIGN, Bucket, Slot, build_buckets, round_up
 
 
 class FlatParamBuffer:
@@ -33,7 +34,7 @@ class FlatParamBuffer:
         here, from the parameters' values, when it differs from `dtype`)."""
         self.slots, self.comm, self.overlap = slots, comm, overlap
         self.sharded = sharded
-        self.allgather_bucket_size = allgather_bucket_size
+        self.bucket_size, self.allgather_bucket_size = bucket_size, allgather_bucket_size
         self.peak_inflight_elements = 0  # of post-step all-gathers launched and not yet waited on
         self.buckets: list[Bucket] = build_buckets(slots, bucket_size, comm.size if sharded else 1)
         self.numel = self.buckets[-1].end if self.buckets else 0
@@ -127,8 +128,18 @@ class FlatParamBuffer:
     def _itemsize(self) -> int:
         return self.data[0].element_size() if self.data else 0
 
-    def param_tensors(self) -> list[torch.Tensor]:
-        return list(self.data)
+    def bucket_limit(self) -> int:
+        """Elements the config holds a bucket to: reduce_bucket_size plus up to PARAM_ALIGN - 1 of
+        alignment per parameter, rounded up to the buckets' multiple (layout.py); a parameter
+        larger than that is a bucket of its own."""
+        multiple = math.lcm(self.comm.size if self.sharded else 1, BUCKET_ALIGN)
+        return max([round_up(b.slots[0].numel if len(b.slots) == 1 else
+                             self.bucket_size + (PARAM_ALIGN - 1) * len(b.slots), multiple)
+                    for b in self.buckets], default=0)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The flat buffer's bucket tensors, the parameters' storage (ZeroEngine.state_tensors)."""
+        return {"params": list(self.data)}
 
     def close(self, gather: bool = True) -> None:
         """Give each parameter its own storage, a copy of its slice (every rank holds the full

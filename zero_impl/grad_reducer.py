@@ -183,17 +183,26 @@ class BucketedGradReducer:
             self.full.zero_()
 
     # -- accounting -------------------------------------------------------------------------
-    def grad_bytes(self) -> int:
-        if self.full is not None:
-            return self.full.numel() * self.full.element_size()
-        return sum(g.numel() * g.element_size() for g in self.shard_grads)
-
-    def buffer_bytes(self) -> int:
-        """Bytes of gradient staging buffers and reduce-scatter outputs alive right now."""
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The gradient buffer (stages 0-1) or shards (stages 2-3), and the working buffers alive
+        now: staging buffers and reduce-scatter outputs of their own (ZeroEngine.state_tensors)."""
         alive = list(self.staging.values())
         for _work, staging, out, accumulate_into in self.inflight:
             alive += [t for t in (staging, out if accumulate_into is not None else None) if t is not None]
-        return sum(t.numel() * t.element_size() for t in alive)
+        return {"grads": [self.full] if self.full is not None else list(self.shard_grads), "buffers": alive}
+
+    def buffer_bytes(self) -> int:
+        """Bytes of gradient staging buffers and reduce-scatter outputs alive right now."""
+        return sum(t.numel() * t.element_size() for t in self.state_tensors()["buffers"])
+
+    def staging_limit_bytes(self, bucket_limit: int) -> int:
+        """What the config holds peak_buffer_bytes to: at stages 2-3, MAX_INFLIGHT_STAGING + 1
+        staging buckets of at most `bucket_limit` elements and, with accumulation, as many
+        reduce-scatter outputs in flight (1/N of a bucket each) as staging buffers launched."""
+        if self.stage < 2:
+            return 0
+        return ((MAX_INFLIGHT_STAGING + 1) * bucket_limit + MAX_INFLIGHT_STAGING * bucket_limit // self.comm.size) \
+            * self.dtype.itemsize
 
     def abandon_backward(self) -> None:
         """After a backward that raised: finish what was launched, drop what was not, so the

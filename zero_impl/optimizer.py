@@ -27,7 +27,6 @@ from torch._subclasses.fake_tensor import is_fake
 from .comm import Communicator
 from .layout import Bucket, Piece
 from .loss_scaler import LossScaler
-from .memory import storage_bytes
 
 
 # torch.optim's element-wise optimizers whose state, step counter included, is per parameter: a
@@ -109,12 +108,13 @@ class ShardedOptimizer:
         self.chunks = _chunks(self.masters, self.chunk_elements)
         self.grad_norm = float("nan")
         self.skipped_steps = 0
+        self.placeholder_states = False  # init_states' states, until a checkpoint is loaded into them
 
     def global_grad_sumsq(self) -> tuple[float, bool]:
         """(sum of squares of the true, unscaled-by-clip gradient, any non-finite value anywhere),
         summed in fp32, or in the gradients' own dtype when that is wider (fp64)."""
         device = self.shards[0].grad.device if self.shards else torch.device("cpu")
-        dtype = torch.promote_types(self.shards[0].grad.dtype, torch.float32) if self.shards else torch.float32
+        dtype = self._norm_dtype()
         counted = torch.zeros((), dtype=dtype, device=device)
         total = torch.zeros((), dtype=dtype, device=device)
         for shard in self.shards:
@@ -133,8 +133,14 @@ class ShardedOptimizer:
             return float("nan"), False
         return float(sums[0]), not math.isfinite(float(sums[1]))
 
+    def _norm_dtype(self) -> torch.dtype:
+        return torch.promote_types(self.shards[0].grad.dtype, torch.float32) if self.shards else torch.float32
+
     def step(self) -> bool:
         """Apply one update from the reduced gradients; False (and nothing changed) on overflow."""
+        if self.placeholder_states:  # never loaded into: start from no states, as a fresh optimizer
+            self.optimizer.state.clear()
+            self.placeholder_states = False
         sumsq, overflow = self.global_grad_sumsq()
         scale = self.scaler.scale
         if overflow:
@@ -167,6 +173,32 @@ class ShardedOptimizer:
             if not self.share_master:
                 m.local(m.shard.param).copy_(m.tensor)
 
+    @torch.no_grad()
+    def init_states(self) -> None:
+        """Give the torch optimizer states to load a checkpoint into if it has none (torch creates
+        them at the first step), as torch's get_state_dict does (torch/distributed/checkpoint/
+        state_dict.py, _init_optim_state): a step over zero gradients at learning rate 0, which
+        leaves every master as it is, then every state tensor zeroed. They are placeholders: the
+        first step() drops them unless a checkpoint was loaded into them (checkpoint/state_dict.py)."""
+        if self.optimizer.state or not self.masters:
+            return
+        groups = self.optimizer.param_groups
+        lrs = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+        for m in self.masters:
+            m.tensor.grad = torch.zeros_like(m.tensor)
+        self.optimizer.step()
+        for group, lr in zip(groups, lrs):
+            group["lr"] = lr
+        for m in self.masters:
+            m.tensor.grad = None
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+        self.placeholder_states = True
+
     def chunk_bytes(self) -> int:
         """Bytes of the masters the largest update covers (CB): its temporaries scale with them."""
         return max([sum(m.tensor.numel() for m in c) for c in self.chunks], default=0) * self.master_dtype.itemsize
@@ -192,11 +224,16 @@ class ShardedOptimizer:
                 comm.all_gather(flat[b.start:b.end], flat[lo:hi], purpose="export")
         return flat
 
-    def state_bytes(self) -> int:
-        """Bytes of the fp32 masters (unless shared with the model) and every optimizer state tensor."""
+    def norm_bytes(self) -> int:
+        """The norm's all-reduce: two sums (global_grad_sumsq)."""
+        return 2 * self._norm_dtype().itemsize
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The fp32 masters (unless they are the model's own shard) and every optimizer state
+        tensor (ZeroEngine.state_tensors)."""
         masters = [] if self.share_master else [m.tensor for m in self.masters]
-        states = [v for state in self.optimizer.state.values() for v in state.values()]
-        return storage_bytes(masters + states)
+        states = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return {"optimizer_states": masters + states}
 
     def state_elements_per_param(self) -> int:
         """Optimizer state tensors per parameter element (2 for Adam), once states exist."""

@@ -283,9 +283,16 @@ class Stage3Params:
     def gathered_bytes(self) -> int:
         return sum(u.flat.numel() * u.flat.element_size() for u in self.units if u.gathered)
 
-    def param_tensors(self) -> list[torch.Tensor]:
-        """Tensors whose storages hold parameters now: the shards and any gathered buffer."""
-        return [u.shard for u in self.units] + [u.flat for u in self.units if u.gathered]
+    def bucket_limit(self) -> int:
+        """Elements of the largest bucket: a unit's trainable parameters are one bucket, so a
+        layer sets the bound, whatever reduce_bucket_size says."""
+        return max([b.numel for b in self.buckets], default=0)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The resident shards and the persistent unit ("params"), and every other unit's full
+        buffer, whose storage has its bytes only while the unit is gathered ("gathered_params")."""
+        return {"params": [u.shard for u in self.units] + [u.flat for u in self.units if u.persistent],
+                "gathered_params": [u.flat for u in self.units if not u.persistent]}
 
 
 def _replace_parameter(model: nn.Module, old: nn.Parameter, storage: torch.Tensor) -> nn.Parameter:

@@ -46,7 +46,7 @@ Peak per GPU (`activation_memory`, `points.predicted_memory_bytes`):
 """
 from __future__ import annotations
 
-from zero_impl.grad_reducer import MAX_INFLIGHT_STAGING
+from zero_impl import MAX_INFLIGHT_STAGING
 
 
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,

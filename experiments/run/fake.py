@@ -152,7 +152,7 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
     phase.started = time.perf_counter()
     with rng, mode, NcclListBuffers(), counter, tracker:  # NCCL's list buffers: outside the counter
         phase("build")
-        model, init_fn = build_model(point, device, zero_impl.config.DTYPES[precision])
+        model, init_fn = build_model(point, device, zero_impl.DTYPES[precision])
         phase("initialize")
         engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group,
                                 **({} if foreach is None else {"foreach": foreach}))

@@ -63,10 +63,10 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     point = Point(**point_dict)
     t = point.train
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
+    dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"], timeout_s=t["timeout_s"])
     torch.manual_seed(t["seed"])
     peak = PeakMemory(device)  # from the build through the first optimizer step
-    model, init_fn = build_model(point, device, zero_impl.config.DTYPES[precision])
+    model, init_fn = build_model(point, device, zero_impl.DTYPES[precision])
     engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group)
     dp_rank = dist.get_rank(dp_group)
     losses, times, activation_bytes = [], [], 0
@@ -146,9 +146,11 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             self.tracker = None
         else:
-            # MemTracker warns about the None entries of optimizer states it walks, and about
-            # modules its backward hooks outlive
-            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable", category=UserWarning)
+            # MemTracker's gradient hook reads param.grad before it is accumulated (None: the
+            # engine's hooks move each gradient into its bucket), and its backward hooks outlive
+            # modules
+            warnings.filterwarnings("ignore", message="Expected a tensor .* but got <class 'NoneType'>",
+                                    category=UserWarning)
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
             self.tracker = MemTracker()
             self.tracker.__enter__()

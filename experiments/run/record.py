@@ -16,7 +16,7 @@ from experiments.models.megatron_gpt import padded_vocab_size, parameter_count
 from experiments.points import Point, predicted_memory_bytes, predicted_model_state_bytes
 from experiments.run.collective_counter import tp_allreduce_theory
 from experiments.run.storage_tracker import KINDS
-from zero_impl.config import ZERO_R_SWITCHES, zero_r_config
+from zero_impl import ZERO_R_SWITCHES, zero_r_config
 
 def build_record(point: Point, precision: str, launcher: str, status: str, results: list[dict] | None,
                  error: str | None, started: str, resume: dict | None = None) -> dict:

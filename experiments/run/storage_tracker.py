@@ -15,24 +15,34 @@ while the model is built on the host are not device memory:
     gathered_params   stage 3: full units gathered for forward/backward (resized to 0 when released)
     grads             the gradient buffer (stages 0-1) or this rank's gradient shard (stages 2-3)
     optimizer_states  fp32 masters and the optimizer's moments
-    activations       what forward (and recomputation in backward) allocates, the logits included
+    activations       what forward (and recomputation in backward) allocates, the logits included,
+                      and ZeRO-R's kept checkpoints (state_tensors' checkpoints)
     buffers           the engine's working buffers: gradient staging buckets, reduce-scatter
                       outputs, anything the engine allocates outside its persistent states
     temporaries       everything else: gradients of activations, the optimizer step's temporaries
     host              (not device memory) megatron's CPU initialization: the full fp32 TP=1 weight
                       drawn on the host before each rank keeps its slice; ZeRO-R's Pa+cpu
-                      checkpoint slices (zero_impl/activations.py, `pool == "host"`)
+                      checkpoint slices (state_tensors' host_checkpoints)
 
-A storage's kind is decided when it is allocated, from the phase the runner is in
-(`tracker.phase`: build, initialize, forward, backward, step) and the innermost frame of the
-Python stack that belongs to a known place (`_origin`); the engine's persistent states are then
-relabelled from the engine's own structures (`label_engine`) after initialize and after each step.
+A storage's kind comes from the engine's own account of what it holds, `ZeroEngine.state_tensors()`
+(its kinds map to these by `ENGINE_KINDS`), by storage identity, never by file or variable
+names: after initialize and after each step every storage the engine holds is relabelled
+(`label_engine`), and each storage the engine's own code allocates later (the op's innermost
+caller is in the zero_impl package) takes its kind from state_tensors() at the next event of
+another storage, by which time the engine holds what it allocated (a staging bucket, a pool's
+buffer, a kept checkpoint). Its bytes are counted then, before that event, so totals and peaks
+fall where they did, and a Pa+cpu slice never counts as device memory. Storages the
+engine does not hold, and those allocated before it exists, are classified by the phase the
+runner is in (`tracker.phase`: build, initialize, forward, backward, step) and by the stack
+(`_origin`): megatron's host initialization, torch's optimizers creating states, recomputation
+in backward, and, while the engine is being built, the part building it (`_BUILDING`).
 
 Sizes are rounded as the CUDA caching allocator rounds blocks: up to a multiple of 512 bytes
 (`CUDA_BLOCK`), per storage. Totals exclude `host`.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -44,17 +54,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+import zero_impl
+from zero_impl.flat_params import FlatParamBuffer
+from zero_impl.grad_reducer import BucketedGradReducer
+from zero_impl.optimizer import ShardedOptimizer
+from zero_impl.stage3 import Stage3Params
+
 CUDA_BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of it
 KINDS = ("params", "gathered_params", "grads", "optimizer_states", "activations", "buffers", "temporaries")
 PHASES = ("build", "initialize", "forward", "backward", "step")
+# ZeroEngine.state_tensors' kinds (zero_impl.STATE_KINDS) as these: ZeRO-R's kept checkpoints
+# are activations, or host memory with Pa+cpu
+ENGINE_KINDS = {"params": "params", "gathered_params": "gathered_params", "grads": "grads",
+               "optimizer_states": "optimizer_states", "buffers": "buffers", "checkpoints": "activations",
+               "host_checkpoints": "host"}
 
-_REPO = Path(__file__).resolve().parents[2]
-_ZERO = str(_REPO / "zero_impl") + "/"
-_ENGINE_BUFFER_FILES = ("grad_reducer.py", "stage3.py", "flat_params.py", "comm.py", "layout.py")
-# what the engine allocates while it is built, until label_engine says exactly (the flat buffer
-# also cuts the fp32 masters, stage 3 its fp32 shards)
-_INITIALIZE_KINDS = {"flat_params.py": "params", "stage3.py": "params", "grad_reducer.py": "grads",
-                     "optimizer.py": "optimizer_states"}
+# While the engine is being built it cannot be asked for its state: what a part allocates while
+# it builds is that part's kind (the flat buffer also cuts the fp32 masters, stage 3 its fp32
+# shards) until label_engine relabels from state_tensors(), right after initialize.
+_BUILDING = {FlatParamBuffer: "params", Stage3Params: "params", BucketedGradReducer: "grads",
+             ShardedOptimizer: "optimizer_states"}
+_BUILDER_CODE = {inspect.unwrap(f).__code__: kind for cls, kind in _BUILDING.items()
+                 for f in vars(cls).values() if inspect.isfunction(f)}
+_ENGINE_CODE = str(Path(zero_impl.__file__).resolve().parent) + "/"  # the zero_impl package
+# what lies between an op's caller and this mode: torch's dispatch wrappers, and this file
+_DISPATCH_CODE = ("/torch/_dynamo/", "/torch/_compile.py", "/torch/_ops.py", "/torch/utils/_python_dispatch.py")
+_THIS_FILE = str(Path(__file__).resolve())
 # megatron's CPU initialization draws each full weight on the host (experiments/models/megatron_gpt.py)
 _HOST_FUNCTIONS = {"_initialize_affine_weight_cpu", "init_parameter"}
 
@@ -67,8 +92,9 @@ def cuda_block_bytes(nbytes: int, block: int = CUDA_BLOCK) -> int:
 @dataclass
 class _Info:
     nbytes: int          # rounded to CUDA_BLOCK
-    kind: str
+    kind: str            # until counted, if pending: the kind it takes unless the engine holds it
     ref: weakref.ref | None = None
+    pending: bool = False  # allocated by the engine's code, not counted yet (StorageTracker._settle)
 
 
 @dataclass
@@ -114,12 +140,16 @@ class StorageTracker(TorchDispatchMode):
         self.timeline: list[PhaseRecord] = []
         self._current: PhaseRecord | None = None
         self._orig_resize = None
+        self.engine: weakref.ref | None = None  # label_engine's: the engine asked about its allocations
+        self._pending: list[tuple[_Info, weakref.ref]] = []  # (info, its storage), in allocation order
+        self._settling = False
 
     # -- phases -----------------------------------------------------------------------------
     def begin(self, phase: str, step: int | None = None) -> None:
         """Close the running phase and start `phase` (one of PHASES)."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        self._settle()
         self._close_phase()
         self.phase = phase
         if step is not None:
@@ -128,6 +158,7 @@ class StorageTracker(TorchDispatchMode):
         self.timeline.append(self._current)
 
     def finish(self) -> None:
+        self._settle()
         self._close_phase()
         self._current = None
 
@@ -153,29 +184,62 @@ class StorageTracker(TorchDispatchMode):
                 cur.peak_bytes, cur.peak_by_kind = self.total, self._kinds()
 
     def _on_free(self, info: _Info, _ref) -> None:
+        self._settle()  # this storage too, if pending: counted, then freed
         self._add(info.kind, -info.nbytes)
 
     def track(self, t: torch.Tensor, kind: str | None = None) -> None:
-        """Account for `t`'s storage if new (kind: given, or from the phase and the stack), or
-        for a change of its size (an op with out= may resize it)."""
+        """Account for `t`'s storage if new (kind: given, or from the engine's state, the phase
+        and the stack), or for a change of its size (an op with out= may resize it)."""
         st = t.untyped_storage()
         info = self._live.get(st)
         if info is None:
-            info = _Info(cuda_block_bytes(st.nbytes(), self.block), kind or self._classify())
+            self._settle()
+            engine_code = False
+            if kind is None:
+                kind, engine_code = self._classify()
+            info = _Info(cuda_block_bytes(st.nbytes(), self.block), kind)
             info.ref = weakref.ref(st, lambda ref, info=info: self._on_free(info, ref))
             self._live[st] = info
-            self._add(info.kind, info.nbytes)
+            if engine_code and self._engine() is not None:  # its kind: the engine's, once it holds it
+                info.pending = True
+                self._pending.append((info, weakref.ref(st)))
+            else:
+                self._add(info.kind, info.nbytes)
         else:
             self._resized(st, info)
 
     def _resized(self, st: torch.UntypedStorage, info: _Info) -> None:
         nbytes = cuda_block_bytes(st.nbytes(), self.block)
         if nbytes != info.nbytes:
+            self._settle()
             old, info.nbytes = info.nbytes, nbytes
             self._add(info.kind, nbytes - old)
 
+    def _engine(self):
+        engine = self.engine() if self.engine is not None else None
+        return engine if engine is not None and not engine.closed else None
+
+    def _settle(self) -> None:
+        """Count the pending storages, in the order they were allocated, each with the kind the
+        engine now holds it as (state_tensors()), else the one it was given. Called before any
+        other storage's bytes change, so each is counted where its allocation was."""
+        if not self._pending or self._settling:
+            return
+        self._settling = True  # state_tensors() may drop a storage, whose free settles again
+        try:
+            held = _held_kinds(self._engine())
+            pending, self._pending = self._pending, []
+            for info, st in pending:
+                alive = st()
+                info.kind = held.get(alive._cdata, info.kind) if alive is not None else info.kind
+                info.pending = False
+                self._add(info.kind, info.nbytes)
+        finally:
+            self._settling = False
+
     def relabel(self, tensors, kind: str) -> None:
         """The storages behind `tensors` are `kind` from now on (tracked first if unknown)."""
+        self._settle()
         for t in tensors:
             if not torch.is_tensor(t):
                 continue
@@ -191,34 +255,33 @@ class StorageTracker(TorchDispatchMode):
                 info.kind = kind
 
     def live_bytes(self, kind: str | None = None) -> int:
+        self._settle()
         return self.total if kind is None else self.by_kind[kind]
 
     # -- classification ---------------------------------------------------------------------
-    def _classify(self) -> str:
-        origin = _origin(sys._getframe(1), self.phase)
-        phase = self.phase
+    def _classify(self) -> tuple[str, bool]:
+        """(the kind of a storage allocated now, unless the engine holds it; whether the engine's
+        own code allocated it: the op's innermost caller is in the zero_impl package)."""
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename == _THIS_FILE
+                                     or any(part in frame.f_code.co_filename for part in _DISPATCH_CODE)):
+            frame = frame.f_back
+        engine_code = frame is not None and frame.f_code.co_filename.startswith(_ENGINE_CODE)
+        origin, phase = _origin(frame, self.phase), self.phase
         if origin == "host":
-            return "host"
+            return "host", engine_code
         if phase == "build":
-            return "params"
-        if origin.startswith("zero_impl/"):
-            file = origin.split("/", 1)[1]
-            if phase == "initialize":  # provisional until label_engine relabels the persistent states
-                return _INITIALIZE_KINDS.get(file, "buffers")
-            if file in _ENGINE_BUFFER_FILES:
-                return "buffers"
-            if file == "activations.py":  # ZeRO-R: the kept checkpoints (slices, MD's arena) in forward,
-                return "activations" if phase == "forward" else "buffers"  # CB's gather/prefetch pools after
-            return "activations" if phase == "forward" else "temporaries"  # engine.py casts, optimizer.py
+            return "params", engine_code
+        if phase == "initialize":  # what a part builds is its kind until label_engine relabels
+            return (origin if origin in KINDS else "optimizer_states" if origin == "optimizer_init"
+                    else "buffers"), engine_code
         if origin == "optimizer_init":
-            return "optimizer_states"
-        if phase == "initialize":
-            return "buffers"
+            return "optimizer_states", engine_code
         if phase == "forward":
-            return "activations"
-        if phase == "backward":
-            return "activations" if origin == "forward" else "temporaries"  # recomputation vs gradients
-        return "temporaries"
+            return "activations", engine_code
+        if phase == "backward":  # recomputation vs gradients
+            return "activations" if origin == "forward" else "temporaries", engine_code
+        return "temporaries", engine_code
 
     # -- TorchDispatchMode ------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -250,26 +313,25 @@ class StorageTracker(TorchDispatchMode):
 
     def summary(self) -> dict:
         """Peak bytes, the breakdown by kind at the peak, its phase, and the timeline."""
+        self._settle()
         return {"peak_bytes": self.peak_bytes, "peak_by_kind": dict(self.peak_by_kind), "peak_phase": self.peak_phase,
                 "host_peak_bytes": self.host_peak_bytes, "rounding": f"each storage up to a multiple of {self.block} bytes",
                 "timeline": [p.as_dict() for p in self.timeline]}
 
 
 def _origin(frame, phase: str) -> str:
-    """Where an allocation comes from: "host" (megatron's CPU weight draw), "zero_impl/<file>",
-    "optimizer_init" (a torch optimizer creating its states), "optimizer", "forward" (a forward
-    method: in backward, activation recomputation), "backward" (a backward method or
-    torch.autograd: gradients), or "" when nothing known is on the stack."""
+    """Where an allocation comes from: "host" (megatron's CPU weight draw), in initialize the kind
+    of the engine part being built (`_BUILDING`), "optimizer_init" (a torch optimizer creating
+    its states), "optimizer", "forward" (a forward method: in backward, activation
+    recomputation), "backward" (a backward method or torch.autograd: gradients), or "" when
+    nothing known is on the stack; the innermost known frame decides."""
     while frame is not None:
         code = frame.f_code
         name, filename = code.co_name, code.co_filename
         if name in _HOST_FUNCTIONS:
             return "host"
-        if filename.startswith(_ZERO):
-            rel = filename[len(_ZERO):]
-            if rel == "activations.py" and _host_pool(frame):
-                return "host"
-            return "zero_impl/" + rel
+        if phase == "initialize" and code in _BUILDER_CODE:
+            return _BUILDER_CODE[code]
         if "/torch/optim/" in filename:
             return "optimizer_init" if name == "_init_group" else "optimizer"
         if phase == "backward" and name in ("forward", "backward") and "/torch/utils/_python_dispatch" not in filename:
@@ -278,31 +340,18 @@ def _origin(frame, phase: str) -> str:
     return ""
 
 
-def _host_pool(frame) -> bool:
-    """ZeRO-R's Pa+cpu (zero_impl/activations.py) keeps checkpoint slices in host memory: its
-    frames that allocate them have `pool == "host"`. On a GPU they would be on the CPU; in a
-    simulation every tensor is on the CPU, so they are told apart here."""
-    while frame is not None and frame.f_code.co_filename.endswith("zero_impl/activations.py"):
-        if frame.f_locals.get("pool") == "host":
-            return True
-        frame = frame.f_back
-    return False
+def _held_kinds(engine) -> dict[int, str]:
+    """{storage (its StorageImpl): kind} of every tensor `engine` holds (None: no engine)."""
+    if engine is None:
+        return {}
+    return {t.untyped_storage()._cdata: ENGINE_KINDS[kind] for kind, tensors in engine.state_tensors().items()
+            for t in tensors}
 
 
 def label_engine(tracker: StorageTracker, engine) -> None:
-    """Relabel the engine's persistent states by kind, from its own structures (after
-    initialize, after each step)."""
-    params = getattr(engine, "params", None)
-    gathered = []
-    if params is not None and hasattr(params, "units"):  # stage 3: gathered buffers vs resident shards
-        gathered = [u.flat for u in params.units if getattr(u, "flat", None) is not None and not u.persistent]
-    gathered_ids = {id(t) for t in gathered}
-    resident = [t for t in (params.param_tensors() if params is not None else []) if id(t) not in gathered_ids]
-    tracker.relabel([*engine.module.parameters(), *resident], "params")
-    tracker.relabel(gathered, "gathered_params")
-    grads = engine.grads
-    tracker.relabel([grads.full] if grads.full is not None else list(grads.shard_grads), "grads")
-    opt = engine.sharded_optimizer
-    masters = [] if opt.share_master else [m.tensor for m in opt.masters]
-    states = [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    tracker.relabel(masters + states, "optimizer_states")
+    """Relabel every storage `engine` holds by its kind (ZeroEngine.state_tensors), and let the
+    tracker ask it about the storages its code allocates from now on (after initialize, after
+    each step)."""
+    tracker.engine = weakref.ref(engine)
+    for kind, tensors in engine.state_tensors().items():
+        tracker.relabel(tensors, ENGINE_KINDS[kind])

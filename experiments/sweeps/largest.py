@@ -40,7 +40,7 @@ from experiments.points import Point, predicted_memory_bytes
 from experiments.run.fake import check_simulate_rank, is_gpu_cluster, simulate_point, simulated_precision
 from experiments.run.record import simulated_path, simulated_record, verdict
 from experiments.sweeps.summary import largest_markdown
-from zero_impl.config import zero_r_config
+from zero_impl import zero_r_config
 
 MAX_SIMULATIONS = 8
 MAX_LAYERS = 4096

@@ -12,7 +12,7 @@ from experiments.analysis.activations import (activation_memory, checkpoint_byte
                                               root_params_per_tp_rank)
 from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameter_count, parameters_per_tp_rank
 from experiments.points import expand, predicted_memory_bytes
-from zero_impl.grad_reducer import MAX_INFLIGHT_STAGING
+from zero_impl import MAX_INFLIGHT_STAGING
 
 V100 = 32e9  # conf/cluster/dgx2_v100.yaml device_memory_gb, x 1e9 as the paper's Table 2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_impl.config import ZERO_R_CONFIGS, zero_r_config
+from zero_impl import ZERO_R_CONFIGS, zero_r_config
 
 NONE = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False}
 

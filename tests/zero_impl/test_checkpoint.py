@@ -1,4 +1,4 @@
-"""Checkpoints (zero_impl/checkpoint.py): resume equals never stopping, bitwise; DCP reshards
+"""Checkpoints (zero_impl/checkpoint/): resume equals never stopping, bitwise; DCP reshards
 across DP degrees, stages and bucket sizes; bad checkpoints are refused; exports load into the
 bare model; the wrapped model's own state_dict() never silently misleads.
 """
@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import zero_impl
 from zero_impl import checkpoint
+from zero_impl.checkpoint.state_dict import unpack
 from helpers import CLIP, FP64_TOL, adamw, global_batch, make_model, max_abs_diff, param_groups
 from experiments.launch import spawn
 from experiments.models.tiny_gpt import TinyGPTConfig, TinyGPT, lm_loss
@@ -61,7 +62,7 @@ def read_all(path) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(sd, checkpoint_id=path, no_dist=True)
-    return {k: checkpoint._unpack(v) for k, v in sd.items()}
+    return {k: unpack(v) for k, v in sd.items()}
 
 
 def assert_same_checkpoint(a, b) -> None:
@@ -237,32 +238,54 @@ def test_a_partially_written_checkpoint_is_never_the_latest(tmp_path):
 
 
 # -- the state dict API and the wrapped model's own ------------------------------------------------
-def _dcp_idiom(path: str) -> dict:
-    """The stock DCP calls on engine.state_dict(), as with FSDP2."""
-    engine = build(stage=3)
-    train(engine, 0, 2)
-    dcp.save(engine.state_dict(), checkpoint_id=path)
-    expected = engine.full_parameters()
-    fresh = build(stage=3)
-    sd = fresh.state_dict()
-    dcp.load(sd, checkpoint_id=path)
-    try:
+def _dcp_idiom(path: str, split: int, config: dict) -> dict:
+    """The stock DCP calls on engine.state_dict(), as torchtitan resumes with FSDP2: a fresh
+    engine's state dict (optimizer states included, as placeholders) is filled in place."""
+    out = {}
+    for stage in STAGES:
+        straight = build(stage=stage, **config)
+        losses = train(straight, 0, split + 3)
+        first = build(stage=stage, **config)
+        train(first, 0, split)
+        dcp.save(first.state_dict(), checkpoint_id=f"{path}/stage{stage}")
+        fresh = build(stage=stage, **config)
+        sd = fresh.state_dict()
+        placeholders = [v for k, v in sd.items() if k.startswith("optim.")]
+        zeros = bool(placeholders) and all(torch.count_nonzero(t) == 0 for v in placeholders for _, t in v.chunks)
+        dcp.load(sd, checkpoint_id=f"{path}/stage{stage}")
         fresh.load_state_dict(sd)
-        refused = None
-    except ValueError as e:  # before its first step the engine has no optimizer states to load into
-        refused = str(e)
-    train(fresh, 0, 1)
-    sd = fresh.state_dict()
-    dcp.load(sd, checkpoint_id=path)
-    fresh.load_state_dict(sd)
-    return {"refused": refused, "same": max_abs_diff(fresh.full_parameters(), expected) == 0.0,
-            "steps": fresh.steps}
+        resumed = train(fresh, split, split + 3)
+        # A state dict taken and never loaded changes nothing: its placeholders are dropped at the
+        # first step. NAdam, whose fresh mu_product is 1, would step differently from a zero one.
+        nadam = [_nadam(stage, config) for _ in range(2)]
+        nadam[0].state_dict()
+        out[stage] = {"losses": (losses[split:], resumed), "zeros": zeros,
+                      "same": max_abs_diff(straight.full_parameters(), fresh.full_parameters()) == 0.0,
+                      "steps": (straight.steps, fresh.steps),
+                      "untouched": train(nadam[0], 0, 2) == train(nadam[1], 0, 2)
+                      and max_abs_diff(nadam[0].full_parameters(), nadam[1].full_parameters()) == 0.0}
+    return out
 
 
-def test_stock_dcp_save_and_load_of_engine_state_dict(tmp_path):
-    result = spawn(_dcp_idiom, 2, str(tmp_path / "ckpt"), timeout=120)[0]
-    assert "zero_impl.checkpoint.load(engine, path)" in result["refused"]
-    assert result["same"] and result["steps"] == 2
+def _nadam(stage: int, config: dict) -> zero_impl.ZeroEngine:
+    model = make_model()
+    return zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, grad_accum_steps=ACCUM, reduce_bucket_size=500,
+                                                            **config),
+                                optimizer=lambda groups: torch.optim.NAdam(groups, lr=1e-2),
+                                param_groups=param_groups(model))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stock_dcp_load_into_a_fresh_engine(tmp_path, precision):
+    """sd = engine.state_dict(); dcp.load(sd, checkpoint_id=path); engine.load_state_dict(sd) on
+    an engine that has not stepped: it carries zero optimizer states of the right shapes, DCP
+    fills them in place, and the run continues bitwise as if it had never stopped (stages 0-3,
+    world 2, 2 accumulated micro-batches). A state dict taken and not loaded changes nothing."""
+    result = spawn(_dcp_idiom, 2, str(tmp_path), 2, {"precision": precision}, timeout=300)[0]
+    for stage, r in result.items():
+        assert r["losses"][0] == r["losses"][1] and r["same"], stage
+        assert r["zeros"] and r["steps"][0] == r["steps"][1] == 5, (stage, r)
+        assert r["untouched"], stage
 
 
 def test_the_wrapped_models_own_state_dict_never_misleads():
@@ -309,7 +332,7 @@ def test_export_loads_into_the_bare_model(tmp_path):
     """One fp32 file, keyed like the bare model's state_dict() (a weight tied across two
     blocks under both names), from the command line."""
     params = spawn(_train_and_save, 2, str(tmp_path / "step_2"), timeout=120)[0]
-    done = subprocess.run([sys.executable, "-m", "zero_impl.checkpoint", "export", str(tmp_path / "step_2"),
+    done = subprocess.run([sys.executable, "-m", "zero_impl", "export", str(tmp_path / "step_2"),
                            str(tmp_path / "model.pt")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and not done.stderr, done.stderr
     model = make_model(tie_blocks=True)

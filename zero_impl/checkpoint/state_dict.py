@@ -1,9 +1,5 @@
-"""Checkpoints through torch.distributed.checkpoint (DCP): each rank writes its own shards, in
-parallel, and any DP degree, stage or bucket size reads them back (the TP degree is fixed).
-
-    zero_impl.checkpoint.save(engine, "ckpt/step_100")   # every rank; atomic (tmp dir, then rename)
-    zero_impl.checkpoint.load(engine, "ckpt/step_100")   # every rank; any DP degree, stage, buckets
-    python -m zero_impl.checkpoint export ckpt/step_100 model.pt   # one fp32 file for the bare model
+"""The engine's state dict for torch.distributed.checkpoint (DCP): what each rank owns, keyed
+in TP=1 coordinates, and back into a live engine (files.py puts it on disk).
 
 engine.state_dict() holds, keyed for DCP (DCP writes each piece once, even when ranks share it):
   model.<name>          the fp32 master of each trainable parameter (the model-precision parameter
@@ -15,19 +11,18 @@ engine.state_dict() holds, keyed for DCP (DCP writes each piece once, even when 
 A parameter is stored as a 2-D tensor (A, C) in TP=1 coordinates: A is the product of the dims
 before megatron's partition_dim, C the rest (A = 1 without TP). A rank's owned range of its
 flattened local tensor is at most three boxes of it, which DCP reshards like any other shard.
+
+An engine that has not stepped has no optimizer states yet (torch creates them at the first
+step); its state dict carries placeholders of their shapes (ShardedOptimizer.init_states), so
+`sd = engine.state_dict(); dcp.load(sd, checkpoint_id=path); engine.load_state_dict(sd)` loads
+into them in place, as torch's own get_state_dict does for a fresh optimizer.
 """
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import random
-import re
-import shutil
-import sys
-import warnings
 import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,7 +148,7 @@ def _live(engine) -> tuple[dict, dict]:
                 if torch.is_tensor(v) and v.dim() > 0 and v.shape == m.tensor.shape:
                     live.setdefault(f"optim.{k}.{name}", (size, []))[1].extend(_boxes(a, e, v[where], cols, col0))
                 else:
-                    scalars.setdefault(f"optim_group.{m.piece.key}.{k}", v if torch.is_tensor(v) else _pack(v))
+                    scalars.setdefault(f"optim_group.{m.piece.key}.{k}", v if torch.is_tensor(v) else pack(v))
     return live, scalars
 
 
@@ -195,7 +190,7 @@ def _meta(engine) -> dict[str, Any]:
             "tp": engine.mp.size, "params": _full_shapes(engine), "state_keys": _state_keys(engine.module)}
 
 
-def _check(engine, meta: Any) -> None:
+def check(engine, meta: Any) -> None:
     """Refuse a checkpoint of another model or TP degree, naming the first parameter that differs."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"not a zero_impl checkpoint (format {FORMAT})")
@@ -223,30 +218,29 @@ def state_dict(engine) -> dict[str, Any]:
     if engine.micro_steps % engine.config.grad_accum_steps:
         raise RuntimeError("state_dict() inside a gradient accumulation: the partial gradients are not "
                            "saved; call it after the step() that applies an update")
+    engine.sharded_optimizer.init_states()  # an unstepped engine's: placeholders for dcp.load to fill
     live, scalars = _live(engine)
     dtype, sd = engine.config.master_dtype, {}
     for key, (size, boxes) in live.items():
         chunks = [(o, t.to(dtype) if key.startswith("model.") else t) for o, t in boxes]
         sd[key] = Chunked(size, chunks, chunks[0][1].dtype, chunks[0][1].device)
     sd.update(scalars)
-    sd["optim_groups"] = _pack([{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups])
+    sd["optim_groups"] = pack([{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups])
     sd.update({f"model.{n}": b for n, b in _buffers(engine.module).items()})
-    sd["engine"] = _pack(_meta(engine))
-    sd[f"rng.{_rank()}"] = _pack(_rng_state())
+    sd["engine"] = pack(_meta(engine))
+    sd[f"rng.{rank()}"] = pack(_rng_state())
     return sd
 
 
 @torch.no_grad()
 def load_state_dict(engine, sd: dict[str, Any]) -> None:
     """Make the engine what `sd` describes. `sd` has this engine's layout: its engine.state_dict()
-    filled by dcp.load, or what load() builds. Collective (stages 1-3 all-gather parameters)."""
-    meta = _unpack(sd["engine"])
-    _check(engine, meta)
-    live, _ = _live(engine)
+    filled by dcp.load, or what files.load() builds. Collective (stages 1-3 all-gather parameters)."""
+    meta = unpack(sd["engine"])
+    check(engine, meta)
     so, opt, with_optim = engine.sharded_optimizer, engine.optimizer, meta["optimizer_state"]
-    if with_optim and so.masters and not any(k.startswith("optim.") for k in sd):
-        raise ValueError("the checkpoint holds optimizer states but this state dict has nowhere to put them "
-                         "(its engine had not stepped yet): load with zero_impl.checkpoint.load(engine, path)")
+    so.init_states()  # the states to load into, as state_dict() made them
+    live, _ = _live(engine)
     for key, (_, boxes) in live.items():
         if key.startswith("optim.") and not with_optim:
             continue
@@ -261,13 +255,14 @@ def load_state_dict(engine, sd: dict[str, Any]) -> None:
     if not so.share_master:  # model-precision parameters are the masters' rounding
         for m in so.masters:
             m.local(m.shard.param).copy_(m.tensor)
+    so.placeholder_states = False  # the checkpoint's now, or none (saved before the first step)
     for m in so.masters:
         if not with_optim:
             opt.state.pop(m.tensor, None)
         for key in (k for k in sd if k.startswith(f"optim_group.{m.piece.key}.") and with_optim):
             v = sd[key]
-            opt.state[m.tensor][key.split(".", 2)[2]] = v.clone() if torch.is_tensor(v) else _unpack(v)
-    groups = _unpack(sd["optim_groups"]) if "optim_groups" in sd else opt.param_groups
+            opt.state[m.tensor][key.split(".", 2)[2]] = v.clone() if torch.is_tensor(v) else unpack(v)
+    groups = unpack(sd["optim_groups"]) if "optim_groups" in sd else opt.param_groups
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"the checkpoint has {len(groups)} param groups, this engine {len(opt.param_groups)}")
     for group, saved in zip(opt.param_groups, groups):
@@ -282,105 +277,8 @@ def load_state_dict(engine, sd: dict[str, Any]) -> None:
     engine.micro_steps = meta["micro_steps"] if meta["micro_steps"] % accum == 0 else meta["steps"] * accum
     engine.scaler.scale, engine.scaler.clean_steps = meta["loss_scale"], meta["clean_steps"]
     engine._boundary_traffic = [engine.ledger.snapshot()] * 2  # the load's gathers are not a step's
-    if f"rng.{_rank()}" in sd:
-        _set_rng(_unpack(sd[f"rng.{_rank()}"]))
-
-
-def _init_optimizer_state(engine, metadata) -> None:
-    """Give each master zero optimizer states of the checkpoint's keys to load into (torch
-    optimizers create theirs at the first step, so a fresh engine has none)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    state = engine.optimizer.state
-    if any(state.get(m.tensor) for m in engine.sharded_optimizer.masters):
-        return
-    for key, md in metadata.state_dict_metadata.items():
-        kind, _, rest = key.partition(".")
-        for m in engine.sharded_optimizer.masters:
-            if kind == "optim":
-                state[m.tensor][rest.split(".")[0]] = torch.zeros_like(m.tensor, dtype=md.properties.dtype)
-            elif kind == "optim_group" and rest.split(".")[0] == str(m.piece.key):
-                state[m.tensor][rest.split(".", 1)[1]] = (torch.zeros(md.size, dtype=md.properties.dtype)
-                                                         if isinstance(md, TensorStorageMetadata) else None)
-
-
-# -- files -------------------------------------------------------------------------------------------
-def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None) -> Path:
-    """Every rank writes its shards to `path` in parallel. They go to `path`.tmp first; rank 0
-    renames it to `path` once every rank has finished, so a save that dies half-way never looks
-    like a checkpoint. `extra`: any picklable object stored beside (load() returns it)."""
-    import torch.distributed.checkpoint as dcp
-    path, first = Path(path), _rank(process_group) == 0
-    tmp = path.with_name(path.name + ".tmp")
-    sd = engine.state_dict()
-    if extra is not None:
-        sd["extra"] = _pack(extra)
-    if first:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(process_group)
-    _quiet(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group)
-    if first:  # DCP's last collective ran after every rank's files were written and synced
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier(process_group)
-    return path
-
-
-def load(engine, path: str | os.PathLike, process_group=None) -> Any:
-    """Load a checkpoint written by save() at any DP degree, stage or bucket size (same model and
-    TP degree) into `engine`, on every rank; returns save()'s `extra`."""
-    import torch.distributed.checkpoint as dcp
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata): a save that did not finish?")
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    keys = metadata.state_dict_metadata
-    head = {k: None for k in ("engine", "extra") if k in keys}
-    _quiet(dcp.load, head, checkpoint_id=path, process_group=process_group)
-    head = {k: _unpack(v) for k, v in head.items()}
-    _check(engine, head.get("engine"))
-    if head["engine"]["optimizer_state"]:
-        _init_optimizer_state(engine, metadata)
-    sd = {k: v for k, v in state_dict(engine).items() if k in keys or not k.startswith(("rng.", "optim"))}
-    _quiet(dcp.load, sd, checkpoint_id=path, process_group=process_group)
-    load_state_dict(engine, sd)
-    return head.get("extra")
-
-
-def latest(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint root/step_<N> with the largest N, or None. Unfinished saves
-    (step_<N>.tmp) and folders without DCP's .metadata are never picked."""
-    found = [(int(m.group(1)), p) for p in Path(root).glob("step_*")
-             if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / ".metadata").is_file()]
-    return max(found)[1] if found else None
-
-
-def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
-    """The model of a checkpoint as the bare model's state_dict() in fp32 (the masters' dtype:
-    fp64 for precision "fp64"), in one process, no torch.distributed; loadable with
-    model.load_state_dict(); written with torch.save to `out` when given."""
-    import torch.distributed.checkpoint as dcp
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    sd = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()
-          if k.startswith("model.")}
-    sd["engine"] = None
-    _quiet(dcp.load, sd, checkpoint_id=path, no_dist=True)
-    meta = _unpack(sd.pop("engine"))
-    values = {k[len("model."):]: t for k, t in sd.items()}
-    for name, (shape, _) in meta["params"].items():
-        values[name] = values[name].reshape(shape)
-    result = {k: values[first].float() if values[first].dtype in (torch.float16, torch.bfloat16) else values[first]
-              for k, first in meta["state_keys"].items()}
-    if out is not None:
-        torch.save(result, out)
-    return result
+    if f"rng.{rank()}" in sd:
+        _set_rng(unpack(sd[f"rng.{rank()}"]))
 
 
 # -- the wrapped module's own state_dict() ---------------------------------------------------------
@@ -419,28 +317,16 @@ def _refuse_sharded(*args) -> None:
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def _rank(group=None) -> int:
+def rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier(group=None) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group)
-
-
-def _quiet(fn, *args, **kwargs) -> None:
-    """DCP warns that it runs in one process when torch.distributed is not initialized: intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        fn(*args, **kwargs)
-
-
-def _pack(obj: Any) -> bytes:
+def pack(obj: Any) -> bytes:
     """Objects go to DCP pickled: it would otherwise flatten dicts and lists into one item per leaf."""
     return pickle.dumps(obj)
 
 
-def _unpack(value: Any) -> Any:
+def unpack(value: Any) -> Any:
     return pickle.loads(value) if isinstance(value, bytes) else value
 
 
@@ -457,10 +343,3 @@ def _set_rng(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "export":
-        sys.exit("usage: python -m zero_impl.checkpoint export CHECKPOINT_DIR OUT.pt")
-    exported = export(sys.argv[2], sys.argv[3])
-    print(f"{sys.argv[3]}: {len(exported)} tensors, "
-          f"{sum(t.numel() for t in exported.values() if t.is_floating_point()):,} floating-point elements")
