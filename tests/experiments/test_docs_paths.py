@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-GENERATED = ("results/runs", "results/reports", "results/slurm", "outputs", "multirun", ".venv")  # made by runs
+GENERATED = ("results/runs", "results/reports", "results/slurm", "results/calibration", "outputs", "multirun",
+             ".venv")  # made by runs
 
 
 def tracked() -> tuple[set[str], set[str]]:
