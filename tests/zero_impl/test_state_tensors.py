@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero_impl
@@ -31,7 +31,7 @@ class EngineAllocations(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, str]] = {}
+        self.storages: dict[int, tuple[weakref.ref, str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -43,14 +43,14 @@ class EngineAllocations(TorchDispatchMode):
             for t in torch.utils._pytree.tree_leaves(out):
                 if torch.is_tensor(t):
                     storage = t.untyped_storage()
-                    self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), where))
+                    self.storages.setdefault(storage._cdata, (weakref.ref(storage), where))
         return out
 
     def unaccounted(self, engine: zero_impl.ZeroEngine) -> list[str]:
         """Where each live storage (with bytes) the engine allocated and state_tensors() omits came from."""
         held = {t.untyped_storage()._cdata for tensors in engine.state_tensors().values() for t in tensors}
         return sorted(where for key, (ref, where) in self.storages.items()
-                      if not ref.expired() and key not in held and torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
+                      if ref() is not None and key not in held and ref().nbytes())
 
 
 def assert_kinds_disjoint(engine: zero_impl.ZeroEngine) -> None:
