@@ -167,9 +167,19 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
     return element_bytes + 24 + (element_bytes if half else 0) + element_bytes * (2 if half else 1)
 
 
-def optimizer_s(x: StepInputs, hw: Hardware) -> float:
+# zero_repro steps torch.optim.AdamW unfused (experiments/run/build.py sets neither fused nor
+# foreach: CPU tensors take torch's single-tensor path, CUDA ones foreach, with the same passes).
+# Per fp32 master element they move p.mul_ (decoupled weight decay) 8 B, exp_avg.lerp_ 12,
+# exp_avg_sq.mul_ 8 and .addcmul_ 12, .sqrt() 8, / bias correction 8, .add_(eps) 8, p.addcdiv_ 16:
+# 80 B where a fused Adam moves 28 (torch/optim/adam.py, _single_tensor_adam). Issue 21's CPU check:
+# torch's AdamW took 20 ms of the 117 ms tiny_l step (profiled); 32 B per element predicted 6 ms.
+UNFUSED_ADAMW_EXTRA_BYTES = {"zero_repro": 80 - 28}
+
+
+def optimizer_s(x: StepInputs, hw: Hardware, system: str | None = None) -> float:
     updated = x.psi if x.stage == 0 or x.dp <= 1 else x.psi / x.dp
-    return updated * optimizer_bytes_per_param(x.element_bytes) / hw.stream_bytes_per_s
+    per_param = optimizer_bytes_per_param(x.element_bytes) + UNFUSED_ADAMW_EXTRA_BYTES.get(system, 0)
+    return updated * per_param / hw.stream_bytes_per_s
 
 
 def plan(x: StepInputs, system: str) -> DpPlan:
@@ -216,7 +226,7 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str = "zero_repro") 
     terms = {"compute_gemm": g * micro.gemm_s, "compute_memory_bound": g * micro.memory_bound_s + dp["copy"].memory_bound_s,
              "kernel_floors": g * micro.floors_s + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
              "dp_comm_exposed": dp["exposed_s"], "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
-             "optimizer": optimizer_s(x, hw)}
+             "optimizer": optimizer_s(x, hw, system)}
     details = {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"],
                "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
     return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=system, details=details)
