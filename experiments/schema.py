@@ -179,7 +179,26 @@ class TrainConfig:
     simulate_rank: int = 0
 
 
+@dataclass
+class PredictConfig:
+    """experiments/predict.py: the step-time model on one point (model=, stage=, gpus=, tp=,
+    micro_batch=, cluster=) or on every point of a paper experiment (experiment=fig2)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    experiment: Optional[ExperimentConfig] = None
+    stage: int = 2
+    gpus: int = 16
+    tp: int = 1
+    micro_batch: int = 8
+    system: Optional[str] = None   # None: zero_repro for a point, the paper's system for a paper point
+    format: str = "table"          # table | json
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+
+
 def register() -> None:
     cs = ConfigStore.instance()
+    cs.store(name="predict_schema", node=PredictConfig)
     cs.store(name="sweep_schema", node=SweepConfig)
     cs.store(name="train_schema", node=TrainConfig)
