@@ -64,6 +64,7 @@ class Nccl:
     nics_per_node: int
     nic_gb_per_s: float         # per NIC per direction
     ll128: bool = True          # Volta/Ampere with NVLink
+    latency_scale: float = 1.0  # every latency constant x this (the sensitivity table's knob; NCCL's own: 1)
 
     def bus(self, ranks: int, nodes: int, concurrent: int) -> tuple[float, float]:
         """(bus bandwidth GB/s, nChannels) of one communicator."""
@@ -116,7 +117,7 @@ class Nccl:
                 if algo == "ring" and proto == "Simple" and nodes > 1 and kind == "all_reduce" \
                         and nbytes >= ranks / 16 * 65536:
                     lat *= 1.9
-                out[(algo, proto)] = lat + nbytes / (1000 * bw)
+                out[(algo, proto)] = lat * self.latency_scale + nbytes / (1000 * bw)
         return out
 
     def choice(self, kind: str, nbytes: float, ranks: int, ranks_per_node: int,

@@ -446,3 +446,92 @@ def _ours(rows: list[dict], records: list[dict]) -> dict[str, tuple[str, str, st
         "S10-17": ("-", "not checked", "Turing-NLG's parallel configuration is not in the paper"),
         "S10-18": ("-", "not checked", "a training curve"),
     }
+
+
+# -- the issue's targets and their sensitivity to the uncertain constants -----------------------
+MEGATRON_1_2B = {"name": "megatron_1.2b", "layers": 40, "hidden": 1536, "heads": 16, "seq_len": 1024, "vocab_size": 51200}
+MEGATRON_CLUSTER = "dgx2h_v100"
+# (target, low, high, the paper's or the source's value): predicted on dgx2_v100 with each paper
+# system as it ran; Megatron-LM's point on dgx2h_v100. Bands from the issue's Targets section.
+TARGETS = {
+    "ZeRO-100B, Figure 2 (TFLOPs/GPU)": ("38 +-15%", 38 * 0.85, 38 * 1.15, ">38 (Sec 1)"),
+    "ZeRO / Megatron baseline at 100B": ("6x-15x", 6.0, 15.0, "up to 10x (Sec 10.2)"),
+    "Megatron 40B, MP 32 over two nodes (TFLOPs/GPU)": ("5 +-40%", 3.0, 7.0, "about 5 (Sec 1)"),
+    "Figure 4: 13B at batch 2 / best ZeRO point": ("<= 0.75", 0.0, 0.75, "~21 / ~47 (DeepSpeed figure)"),
+    "Figure 4: PyTorch DDP 1.38B at batch 1 (TFLOPs/GPU)": ("< 20", 0.0, 20.0, "less than 20 (Sec 10.4)"),
+    "Figure 4: ZeRO points' average (TFLOPs/GPU)": (">= 34", 34.0, float("inf"), "over 40 (Sec 10.4)"),
+    "Figure 3: per-GPU throughput 128 / 64 GPUs": ("> 1 (superlinear)", 1.0 + 1e-9, float("inf"), "superlinear (Sec 10.3)"),
+    "Megatron-LM 1.2B on one DGX-2H GPU (TFLOPs/GPU)": ("39 +-15%", 39 * 0.85, 39 * 1.15, "39 (Shoeybi et al. 2019)"),
+}
+
+
+def megatron_check(hardware=None) -> st.StepTime:
+    """Megatron-LM 2019's single-GPU baseline: 1.2B GPT, batch 8, fp16, recompute, unfused layer."""
+    x = st.StepInputs(**st.shape_inputs(MEGATRON_1_2B, 1), micro_batch=8, tp=1, dp=1, stage=0)
+    return st.predict(x, hardware or profile(MEGATRON_CLUSTER), "megatron2019")
+
+
+def headlines(paper_hw=None, megatron_hw=None) -> dict[str, st.StepTime | float]:
+    """Each target's predicted value (and the step behind it, where one step gives it)."""
+    pred = {(p.experiment, _series(p), _x(p)): paper_prediction(p, paper_hw) for e in ("fig2", "fig3", "fig4")
+            for p in paper_points(e)}
+    z100, b100 = pred[("fig2", "ZeRO", "100B")], pred[("fig2", "Baseline", "100B")]
+    zero4 = [v.tflops_per_gpu for (e, s, _), v in pred.items() if e == "fig4" and s == "ZeRO"]
+    return {
+        "ZeRO-100B, Figure 2 (TFLOPs/GPU)": z100,
+        "ZeRO / Megatron baseline at 100B": z100.tflops_per_gpu / b100.tflops_per_gpu,
+        "Megatron 40B, MP 32 over two nodes (TFLOPs/GPU)": pred[("fig2", "Baseline", "40B")],
+        "Figure 4: 13B at batch 2 / best ZeRO point": pred[("fig4", "ZeRO", "13B")].tflops_per_gpu / max(zero4),
+        "Figure 4: PyTorch DDP 1.38B at batch 1 (TFLOPs/GPU)": pred[("fig4", "Baseline (DDP)", "1.38B")],
+        "Figure 4: ZeRO points' average (TFLOPs/GPU)": sum(zero4) / len(zero4),
+        "Figure 3: per-GPU throughput 128 / 64 GPUs": (pred[("fig3", "ZeRO", "128 GPUs")].tflops_per_gpu
+                                                       / pred[("fig3", "ZeRO", "64 GPUs")].tflops_per_gpu),
+        "Megatron-LM 1.2B on one DGX-2H GPU (TFLOPs/GPU)": megatron_check(megatron_hw),
+    }
+
+
+def _value(v) -> float:
+    return v.tflops_per_gpu if isinstance(v, st.StepTime) else v
+
+
+def targets_table() -> pd.DataFrame:
+    """The issue's Targets: each predicted value beside its band and the paper's number."""
+    rows = []
+    for name, value in headlines().items():
+        band, low, high, paper = TARGETS[name]
+        v = _value(value)
+        rows.append({"target": name, "band": band, "paper": paper, "predicted": round(v, 2),
+                     "met": "yes" if low <= v <= high else "no",
+                     "dominant term": value.dominant() if isinstance(value, st.StepTime) else "-"})
+    return pd.DataFrame(rows)
+
+
+# The constants whose values are least certain, each moved +-20% in the sensitivity table.
+UNCERTAIN = {"gemm_ceiling": "GEMM ceiling", "hbm_fraction": "HBM fraction", "kernel_floor_us": "kernel floor",
+             "nvlink_link_gb_per_s": "NVLink width", "inter_node_gbps": "InfiniBand", "nccl_latency": "NCCL latencies"}
+
+
+def _moved(cluster: str, key: str, factor: float):
+    from dataclasses import replace as moved
+    from experiments.analysis.hardware import from_cluster
+    conf = load_cluster(cluster)
+    if key == "nccl_latency":
+        hw = from_cluster(conf)
+        return moved(hw, collectives=moved(hw.collectives, latency_scale=factor))
+    return from_cluster({**conf, key: conf[key] * factor})
+
+
+def sensitivity_table() -> pd.DataFrame:
+    """For each target: its prediction, its dominant term, and the prediction with each uncertain
+    constant at 0.8x and 1.2x (both clusters moved together)."""
+    base = headlines()
+    moved = {(key, f): headlines(_moved(PAPER_CLUSTER, key, f), _moved(MEGATRON_CLUSTER, key, f))
+             for key in UNCERTAIN for f in (0.8, 1.2)}
+    rows = []
+    for name, value in base.items():
+        row = {"target": name, "predicted": round(_value(value), 2),
+               "dominant term": value.dominant() if isinstance(value, st.StepTime) else "-"}
+        for key, label in UNCERTAIN.items():
+            row[f"{label} -20% / +20%"] = f"{_value(moved[(key, 0.8)][name]):.2f} / {_value(moved[(key, 1.2)][name]):.2f}"
+        rows.append(row)
+    return pd.DataFrame(rows)
