@@ -34,7 +34,8 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
     built = {"table1": t1, "table1_wide": tables.table1_wide(t1), "table2": tables.table2(records),
              "throughput": tables.throughput_table(records), "memory": tables.memory_table(records),
              "communication": tables.comm_table(records), "throughput_predicted": tables.throughput_predicted(records),
-             "paper_claims": tables.paper_claims(records), "simulation": tables.simulation_table(records),
+             "paper_claims": tables.paper_claims(records), "targets": tables.targets(), "sensitivity": tables.sensitivity(),
+             "simulation": tables.simulation_table(records),
              "largest": tables.largest_table(records)}
     if zero_r.fig7_records(records):  # Figure 7's tables where its points were simulated
         built.update(fig7_memory=zero_r.fig7_table(records), fig7_statements=zero_r.fig7_statements(records))

@@ -363,3 +363,16 @@ def _hardware(record: dict) -> str:
     if hw.get("gpu"):
         return f"{hw.get('gpu_count')} x {hw['gpu']}"
     return f"CPU: {hw.get('cpu', '?')} ({hw.get('cpu_count', '?')} cores)"
+
+
+def targets() -> pd.DataFrame:
+    """The issue's throughput targets: predicted beside each band and the paper's number
+    (reports/predictions.py)."""
+    from experiments.reports.predictions import targets_table
+    return targets_table()
+
+
+def sensitivity() -> pd.DataFrame:
+    """Each target's prediction with every uncertain constant moved +-20% (reports/predictions.py)."""
+    from experiments.reports.predictions import sensitivity_table
+    return sensitivity_table()
