@@ -4,8 +4,9 @@ from; the README pastes the reference set's copy between markers, and a test kee
 
 Every cell comes from a table report.py also writes (named in `details`, a file of the same
 reports folder): Table 1 and 2's formulas, the claims table (predictions.paper_claims), the
-searched largest models (tables.largest_table), the simulated points (tables.simulation_table)
-and Figure 7's statements (zero_r.fig7_statements). A row whose records are not in the set says
+searched largest models (tables.largest_table), the simulated points (tables.simulation_table),
+Figure 7's statements (zero_r.fig7_statements) and the step-time model's targets
+(predictions.targets_table). A row whose records are not in the set says
 so instead of a number.
 """
 from __future__ import annotations
@@ -105,4 +106,8 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
     claim("Communication: Pos+g+p", "S7-3")
     claim("Memory: Pos at Nd 64", "S1-3")
     claim("Memory: Pos+g at Nd 64", "S1-4")
+    for target in predictions.targets_table().itertuples(index=False):   # the step-time model's targets (issue 21)
+        rows.append((f"Throughput target: {target.target}", target.paper,
+                     f"{target.predicted:g} ({'meets' if target.met == 'yes' else 'misses'} {target.band})",
+                     HOW["predicted"], "targets.md, sensitivity.md"))
     return pd.DataFrame(rows, columns=list(COLUMNS))
