@@ -6,7 +6,9 @@
 Writes Markdown, CSV and LaTeX tables and PNG + SVG figures under `out_dir` (results/reports/),
 or its subfolder named after the experiment when one is given, so a one-experiment report never
 replaces the full set (regenerated, never edited by hand): Table 1 and Table 2 from the memory model beside the paper's cells, a
-Table-5-style throughput table, memory and communication tables, and five figures.
+Table-5-style throughput table, memory and communication tables, and five figures. With this
+machine's calibrated profile (`make calibrate`) it also checks the step-time model against the
+measured CPU records (prediction_check; reports/prediction_check.py), or says how to make one.
 """
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.reports import figures, scorecard, tables, zero_r
+from experiments.reports import figures, prediction_check, scorecard, tables, zero_r
 from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError
-from experiments.records import load_records
+from experiments.records import REPO, load_records
 
 
 def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
@@ -78,15 +80,21 @@ def to_latex(df: pd.DataFrame) -> str:
     return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
 
 
-def write_reports(records: list[dict], out_dir: Path) -> list[Path]:
-    """Every table (.md, .csv, .tex) and figure (.png, .svg); returns the files written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_tables(tables: dict[str, pd.DataFrame], out_dir: Path) -> list[Path]:
+    """Each table as .md, .csv and .tex; returns the files written."""
     written = []
-    for name, df in build_tables(records).items():
+    for name, df in tables.items():
         for suffix, text in ((".md", to_markdown(df)), (".csv", to_csv(df)), (".tex", to_latex(df))):
             path = out_dir / f"{name}{suffix}"
             path.write_text(text)
             written.append(path)
+    return written
+
+
+def write_reports(records: list[dict], out_dir: Path) -> list[Path]:
+    """Every table (.md, .csv, .tex) and figure (.png, .svg); returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = write_tables(build_tables(records), out_dir)
     for name, draw in figures.FIGURES.items():
         fig = draw(records)
         fig.tight_layout()
@@ -115,6 +123,11 @@ def main(cfg: DictConfig) -> None:
     records = load_records(results, experiment)
     out_dir = Path(cfg.out_dir) / experiment if experiment else Path(cfg.out_dir)
     written = write_reports(records, out_dir)
+    if not results.resolve().is_relative_to(REPO / "results" / "reference"):  # committed reports hold no host's check
+        check, line = prediction_check.from_default_profile(records)
+        if check is not None:  # this host's check: on its own line, apart from the host-independent files
+            line += f" -> {write_tables({'prediction_check': check}, out_dir)[0]}"
+        print(line)
     ok = sum(r["status"] == "ok" for r in records)
     print(f"{len(records)} records ({ok} ok) -> {len(written)} files in {out_dir}")
 
