@@ -25,19 +25,26 @@ from experiments.analysis.calibrated import default_path, hardware_from_profile,
 from experiments.analysis.hardware import Hardware
 
 SYSTEM = "zero_repro"
-COLUMNS = ["point", "measured s", "predicted s", "ratio", "largest term"]
+COLUMNS = ["point", "runs", "measured s", "predicted s", "ratio", "largest term"]
 MEDIAN_TARGET, FACTOR_TARGET = 0.25, 2.0
 
 
 def checkable(records: list[dict], profile: dict) -> list[dict]:
-    """The measured CPU records of the profile's host at world sizes it measured (1 always); of
-    several runs of one point (e.g. with more timed steps), the latest."""
+    """The measured CPU records of the profile's host at world sizes it measured (1 always)."""
     worlds = {1} | {int(w) for w in profile["collectives"]}
-    found = [r for r in records if r.get("status") == "ok" and r.get("measured_by") != "simulated"
-             and isinstance(r.get("step_time_s"), float) and not (r.get("hardware") or {}).get("gpu_count")
-             and (r.get("hardware") or {}).get("host") == profile["host"] and r.get("world_size") in worlds]
-    latest = {point_label(r): r for r in sorted(found, key=lambda r: r.get("finished", ""))}
-    return list(latest.values())
+    return [r for r in records if r.get("status") == "ok" and r.get("measured_by") != "simulated"
+            and isinstance(r.get("step_time_s"), float) and not (r.get("hardware") or {}).get("gpu_count")
+            and (r.get("hardware") or {}).get("host") == profile["host"] and r.get("world_size") in worlds]
+
+
+def runs_by_point(records: list[dict]) -> dict[str, list[dict]]:
+    """Records grouped by point (several `make run`s of one point): on a shared machine one run
+    can land in another process's burst for all its steps, so a point's measured step is the
+    median over its runs, each run's own the median of its timed steps."""
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(point_label(r), []).append(r)
+    return out
 
 
 def point_label(record: dict) -> str:
@@ -46,14 +53,15 @@ def point_label(record: dict) -> str:
 
 
 def prediction_rows(records: list[dict], hw: Hardware) -> pd.DataFrame:
-    """One row per record: measured and predicted seconds per step, their ratio, the model's
-    largest term (where the prediction's time goes)."""
+    """One row per point: its runs, the median measured and the predicted seconds per step, their
+    ratio, the model's largest term (where the prediction's time goes)."""
     rows = []
-    for r in sorted(records, key=lambda r: (r["params"], r["stage"], r["world_size"])):
-        predicted = st.predict(st.inputs_from_record(r), hw, system=SYSTEM)
-        largest = max(predicted.terms, key=predicted.terms.get)
-        rows.append({"point": point_label(r), "measured s": r["step_time_s"], "predicted s": predicted.step_s,
-                     "ratio": predicted.step_s / r["step_time_s"], "largest term": largest})
+    for label, runs in sorted(runs_by_point(records).items(),
+                              key=lambda kv: (kv[1][0]["params"], kv[1][0]["stage"], kv[1][0]["world_size"])):
+        measured = statistics.median(r["step_time_s"] for r in runs)
+        predicted = st.predict(st.inputs_from_record(runs[0]), hw, system=SYSTEM)
+        rows.append({"point": label, "runs": len(runs), "measured s": measured, "predicted s": predicted.step_s,
+                     "ratio": predicted.step_s / measured, "largest term": max(predicted.terms, key=predicted.terms.get)})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
