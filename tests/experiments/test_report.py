@@ -71,7 +71,7 @@ def test_failed_points_keep_their_status_and_no_number(records):
 def test_report_writes_every_table_and_figure(records, tmp_path):
     written = {p.name for p in write_reports(records, tmp_path)}
     for table in ("table1", "table1_wide", "table2", "throughput", "memory", "communication", "throughput_predicted",
-                  "paper_claims", "simulation", "largest", "scorecard"):
+                  "paper_claims", "targets", "sensitivity", "simulation", "largest", "scorecard"):
         assert {f"{table}.md", f"{table}.csv", f"{table}.tex"} <= written
     for figure in ("throughput_vs_size", "scaling", "largest_model", "largest_model_cpu", "memory_bars", "communication",
                    "fig2_predicted", "fig3_predicted", "fig4_predicted", "fig8_predicted", "simulated_memory"):
@@ -86,7 +86,7 @@ def test_report_cli(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                            f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert f"10 records (10 ok) -> 55 files in {tmp_path / 'cpu_default'}" in done.stdout
+    assert f"10 records (10 ok) -> 61 files in {tmp_path / 'cpu_default'}" in done.stdout
     bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                           f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: Could not find 'experiment/nope'")
