@@ -4,6 +4,7 @@
     python experiments/predict.py model.layers=48 model.hidden=4096 model.heads=32 gpus=128 tp=8 system=megatron2019 stage=0
     python experiments/predict.py experiment=fig2                 # the paper's Figure 2, as a table
     python experiments/predict.py experiment=fig4 format=json     # one JSON object per point
+    python experiments/predict.py model=fig2_100b gpus=400 tp=16 format=kernels   # the kernels, FLOPs, bytes
 
 It prints the step time, the TFLOPs/GPU (Narayanan Eq. 3) and the breakdown by term
 (experiments/analysis/step_time.py). A point is run by `system=` (megatron2019, deepspeed2020,
@@ -32,7 +33,7 @@ from experiments.points import ConfigError, Point, expand
 from experiments.schema import SweepConfig, register
 
 register()
-FORMATS = ("table", "json")
+FORMATS = ("table", "json", "kernels")   # kernels: one layer's and the head's kernel list
 
 
 def hardware_for(cluster: dict) -> Hardware | None:
@@ -107,6 +108,14 @@ def _table(rows: list[dict]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
+def _kernels_text(kernels: list[dict]) -> str:
+    lines = [f"{'phase':<10}{'kernel':<38}{'GFLOP':>10}{'MB':>10}{'GEMM eff':>10}{'us':>10}"]
+    for k in kernels:
+        eff = f"{k['gemm_efficiency']:.3f}" if k["gemm_efficiency"] is not None else "-"
+        lines.append(f"{k['phase']:<10}{k['kernel']:<38}{k['gflops']:10.2f}{k['mb']:10.2f}{eff:>10}{k['us']:10.1f}")
+    return "\n".join(lines)
+
+
 def _point_text(r: dict) -> str:
     head = (f"{r['model']} ({r['params'] / 1e9:.2f}B params): {r['gpus']} GPUs, TP {r['tp']}, DP {r['dp']}, "
             f"stage {r['stage']}, micro-batch {r['micro_batch']}, system {r['system']}, on {r['hardware']}\n"
@@ -122,6 +131,10 @@ def main(cfg: DictConfig) -> None:
     experiment = cfg.get("experiment") is not None
     if cfg.format == "json":
         print(json.dumps(rows if experiment else rows[0], indent=1, default=list))
+    elif cfg.format == "kernels":
+        for (point, x, *_), row in zip(targets(cfg), rows):
+            print(f"{point.describe()}: one layer and the head, per GPU, on {hw.name}")
+            print(_kernels_text(st.kernel_table(x, hw)))
     else:
         print(_table(rows) if experiment else _point_text(rows[0]))
 

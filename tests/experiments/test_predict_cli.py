@@ -47,3 +47,13 @@ def test_bad_overrides_are_one_line_and_exit_2(args, words):
     out = predict(*args)
     assert out.returncode == 2 and out.stdout == ""
     assert words in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_kernel_list_of_a_point():
+    out = predict("model=fig2_100b", "gpus=400", "tp=16", "micro_batch=32", "format=kernels")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("fig2_100b, stage 2, 400 GPUs, TP 16") and "GEMM eff" in lines[1]
+    qkv = next(line.split() for line in lines if line.split()[:2] == ["forward", "QKV"])
+    # QKV per GPU: 2 x (32 x 1024 tokens) x (3 x 8192 / 16) x 8192 FLOPs = 824.6 GFLOP
+    assert float(qkv[2]) == pytest.approx(2 * 32 * 1024 * 3 * 8192 / 16 * 8192 / 1e9, abs=0.01)

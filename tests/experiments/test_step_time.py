@@ -208,3 +208,25 @@ def test_claims_table_has_every_text_claim_marked():
     by_id = claims.set_index("id")
     assert by_id.loc["S5-1", "ours"] == "31.4 GB" and by_id.loc["S1-8", "kind"] == "predicted"
     assert (claims["kind"] == "not checked").sum() < len(claims) / 4
+
+
+def test_targets_and_sensitivity_tables():
+    from experiments.reports import predictions
+    rows = {r["figure"] + r["series"] + r["model"]: r for r in predictions.predicted_rows()}
+    targets = predictions.targets_table().set_index("target")
+    assert len(targets) == len(predictions.TARGETS)
+    ratio = rows["fig2ZeRO100B"]["predicted"] / rows["fig2Baseline100B"]["predicted"]
+    assert targets.loc["ZeRO / Megatron baseline at 100B", "predicted"] == pytest.approx(ratio, abs=0.005)
+    assert targets.loc["ZeRO-100B, Figure 2 (TFLOPs/GPU)", "predicted"] == pytest.approx(rows["fig2ZeRO100B"]["predicted"], abs=0.005)  # 2 decimals
+    # Megatron's point: 1.2B (h 1536, 40 layers, V 51200) at batch 8 on a 131-TFLOPs DGX-2H GPU, no comm
+    check = predictions.megatron_check()
+    assert check.hardware == "dgx2h_v100" and check.terms["tp_comm"] == check.terms["dp_comm_exposed"] == 0.0
+    assert check.flops_per_gpu == pytest.approx(96 * 8 * 1024 * 40 * 1536 ** 2 * (1 + 1024 / (6 * 1536) + 51200 / (16 * 40 * 1536)))
+    for name, row in targets.iterrows():
+        _, low, high, _ = predictions.TARGETS[name]
+        assert row["met"] == ("yes" if low <= row["predicted"] <= high else "no")
+    sens = predictions.sensitivity_table().set_index("target")
+    lower, higher = map(float, sens.loc["ZeRO-100B, Figure 2 (TFLOPs/GPU)", "GEMM ceiling -20% / +20%"].split(" / "))
+    assert lower < sens.loc["ZeRO-100B, Figure 2 (TFLOPs/GPU)", "predicted"] < higher   # compute-bound: moves with the ceiling
+    one_gpu = sens.loc["Megatron-LM 1.2B on one DGX-2H GPU (TFLOPs/GPU)", "InfiniBand -20% / +20%"].split(" / ")
+    assert one_gpu[0] == one_gpu[1]   # one GPU: no link in its step
