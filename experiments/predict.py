@@ -34,6 +34,8 @@ from experiments.schema import SweepConfig, register
 
 register()
 FORMATS = ("table", "json", "kernels")   # kernels: one layer's and the head's kernel list
+POINT_DEFAULTS = {"stage": 2, "gpus": 16, "tp": 1, "micro_batch": 8}   # a point's axes not given
+PAPER_RUNS = ("fig2", "fig3", "fig4", "fig6", "fig7", "fig8", "table2")  # ran by the paper's systems; the rest by this engine
 
 
 def hardware_for(cluster: dict) -> Hardware | None:
@@ -49,11 +51,11 @@ def hardware_for(cluster: dict) -> Hardware | None:
 def _points(cfg: DictConfig) -> list[Point]:
     """The experiment's points, or the one point the overrides describe (points.expand checks them)."""
     base = {"train": cfg.train, "zero": cfg.zero, "cluster": cfg.cluster, "dry_run": True}
-    if cfg.get("experiment") is not None:
-        sweep = OmegaConf.merge(OmegaConf.structured(SweepConfig), {**base, "experiment": cfg.experiment})
+    given = {axis: cfg[axis] for axis in POINT_DEFAULTS if cfg[axis] is not None}
+    if cfg.get("experiment") is not None:   # a given axis replaces the experiment's, as in sweep.py
+        sweep = OmegaConf.merge(OmegaConf.structured(SweepConfig), {**base, **given, "experiment": cfg.experiment})
     else:
-        point = {"model": cfg.model.name, "stage": cfg.stage, "gpus": cfg.gpus, "tp": cfg.tp,
-                 "micro_batch": cfg.micro_batch}
+        point = {"model": cfg.model.name, **POINT_DEFAULTS, **given}
         sweep = OmegaConf.merge(OmegaConf.structured(SweepConfig),
                                 {**base, "model": cfg.model, "experiment": {"name": "predict", "points": [point]}})
     return expand(sweep)
@@ -71,7 +73,7 @@ def targets(cfg: DictConfig) -> list[tuple[Point, st.StepInputs, str, str]]:
                           "cluster=local after `make calibrate`")
     out = []
     for point in _points(cfg):
-        if cfg.get("experiment") is not None:
+        if cfg.get("experiment") is not None and cfg.experiment.name in PAPER_RUNS:
             paper = paper_system(point)
             x, system, zero_r = paper_inputs(point), cfg.system or paper["system"], paper["zero_r"]
         else:

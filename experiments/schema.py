@@ -186,10 +186,11 @@ class PredictConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     experiment: Optional[ExperimentConfig] = None
-    stage: int = 2
-    gpus: int = 16
-    tp: int = 1
-    micro_batch: int = 8
+    # the point's axes; None: predict.py's defaults for a point, the experiment's own for experiment=
+    stage: Optional[int] = None
+    gpus: Optional[int] = None
+    tp: Optional[int] = None
+    micro_batch: Optional[int] = None
     system: Optional[str] = None   # None: zero_repro for a point, the paper's system for a paper point
     format: str = "table"          # table | json
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
