@@ -21,7 +21,9 @@
    Pa+cpu, collectives forced, against stage 2 with local copies: bitwise losses, the
    allocator's fragmentation with and without MD, and whether Pa+cpu's host round trip is
    prefetched and exact, and what it costs in memory and time;
-6. bench: experiments/bench_engine.py at world 1, a few steps per system.
+6. bench: experiments/bench_engine.py at world 1, a few steps per system;
+7. after the 1.3B row, the step-time model (prediction_rows.py): the device's GEMM curve and the 1.3B point's step
+   time, each beside what experiments/analysis/step_time.py predicts on the device's profile.
 
 Prints a Markdown block (the README's "GPU check" section takes it as is), then a line naming
 the row groups that ran and those skipped, and why; exit code 1 if any check FAILs. Without
@@ -37,6 +39,7 @@ import time
 import torch
 
 from experiments import bench_engine
+from experiments.gpu_check import prediction_rows as prediction
 from experiments.gpu_check import zero_r_rows as zero_r
 from experiments.gpu_check.common import BUDGET_S, FORCE, SKIPPED, attempt, error_line, make_point, safe_row
 from experiments.gpu_check.engine_rows import (BIG_MICRO_BATCH, BIG_MODEL, STAGE_MODEL, big_row, device_rank,
@@ -110,6 +113,15 @@ def main() -> int:
         outcome = {"ok": False, "error": str(e)}
     rows.append(safe_row(f"{big_model} point", big_row, outcome, big, precision))
     ran.append(f"{big_model} 1")
+
+    hw_profile = prediction.device_hardware()  # the step-time model beside the measured GEMMs and step (issue 21)
+    try:
+        [curve] = spawn(attempt, 1, prediction.gemm_curve, precision, start_method="spawn", timeout=left(60))
+    except RankFailed as e:
+        curve = {"ok": False, "error": str(e)}
+    rows.append(safe_row("GEMM curve vs the step-time model", prediction.gemm_row, curve, hw_profile, precision))
+    rows.append(safe_row(f"{big_model} step vs the step-time model", prediction.step_row, outcome, big, precision, hw_profile))
+    ran.append("step-time model 2")
 
     runs = zero_r.zero_r_points(make_point, big_model, BIG_MICRO_BATCH, precision)
     try:

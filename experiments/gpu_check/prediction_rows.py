@@ -18,6 +18,7 @@ from experiments.analysis import calibrated, hardware, step_time as st
 from experiments.analysis.hardware import Hardware
 from experiments.gpu_check.common import error_line, verdict
 from experiments.run.record import build_record
+from zero_impl.config import DTYPES
 
 GPU_SIZES = (512, 1024, 2048, 4096, 8192)   # square bf16/fp16 GEMMs: wave-quantized to full-device sizes
 CPU_SIZES = (64, 128, 256, 512)             # a rehearsal: the sizes one CPU thread runs in a moment
@@ -32,11 +33,11 @@ def device_hardware() -> Hardware | None:
     return hardware.profile("dgx_h100" if "H100" in name or "H200" in name else "dgx2_v100" if "V100" in name else "")
 
 
-def gemm_curve(dtype_name: str) -> list[tuple[int, float]]:
+def gemm_curve(precision: str) -> list[tuple[int, float]]:
     """(size, FLOP/s) of square GEMMs on this rank's device: the median of 5 timings, each a
     batch of calls between CUDA events (host clock on CPU). Runs inside a spawned rank."""
     cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", getattr(torch, dtype_name)) if cuda else ("cpu", torch.float32)
+    device, dtype = ("cuda", DTYPES[precision]) if cuda else ("cpu", torch.float32)
     out = []
     for n in GPU_SIZES if cuda else CPU_SIZES:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -61,9 +62,9 @@ def gemm_curve(dtype_name: str) -> list[tuple[int, float]]:
     return out
 
 
-def gemm_row(outcome: dict, hw: Hardware | None, dtype_name: str) -> tuple[str, str, str, str]:
+def gemm_row(outcome: dict, hw: Hardware | None, precision: str) -> tuple[str, str, str, str]:
     """The measured GEMM curve beside peak x the profile's efficiency at each size."""
-    name = f"GEMM curve ({dtype_name if torch.cuda.is_available() else 'fp32, 1 thread'}) vs the step-time model"
+    name = f"GEMM curve ({precision if torch.cuda.is_available() else 'fp32'}) vs the step-time model"
     if not outcome["ok"]:
         return name, error_line(outcome["error"]), "measured", "FAIL"
     measured = ", ".join(f"{n}: {r / 1e12:.3g}" for n, r in outcome["value"])

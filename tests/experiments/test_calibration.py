@@ -136,3 +136,16 @@ def test_prediction_check_table_from_fixture_records_and_profile(monkeypatch):
 def test_prediction_check_says_how_to_make_a_profile_when_none_exists(tmp_path):
     table, line = pc.from_default_profile([], tmp_path / "none.yaml")
     assert table is None and "make calibrate" in line
+
+
+def test_gpu_check_gemm_row_sets_the_measured_curve_beside_the_profiles(tmp_path):
+    from experiments.gpu_check import prediction_rows
+    path = tmp_path / "testhost.yaml"
+    path.write_text(yaml.safe_dump(PROFILE))
+    hw = calibrated.load_calibrated(path)
+    name, measured, expected, verdict = prediction_rows.gemm_row({"ok": True, "value": [(64, 2e9), (256, 5e9)]}, hw, "fp32")
+    assert measured == "TFLOP/s by size 64: 0.002, 256: 0.005"
+    # 64^3: the table's own 1e9. 256^3 = (8, 8, 8) in log2 lies at squared distances 12, 8, 9 from
+    # (64, 64, 64), (256, 64, 64), (512, 64, 64): (1e9/12 + 3e9/8 + 4e9/9) / (1/12 + 1/8 + 1/9) = 2.826e9
+    assert expected == "calibrated:testhost predicts 64: 0.001, 256: 0.00283" and verdict == "PASS"
+    assert prediction_rows.gemm_row({"ok": True, "value": [(64, 2e9)]}, None, "fp32")[2] == "no profile for this device"

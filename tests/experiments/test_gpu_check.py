@@ -127,7 +127,7 @@ def test_cpu_rehearsal_runs_every_check():
     assert lines[0].startswith("### GPU check: CPU rehearsal") and "| check | measured | expected | verdict |" in lines
     rows = [line for line in lines if line.startswith("| ") and line.endswith(("| PASS |", "| FAIL |"))]
     # stages, parity, world 2, TP2xDP2 (+ Pa), 1.3B, ZeRO-R, bench
-    assert len(rows) == 8 + 4 + 4 + 5 + 1 + 3 + 1 and all(row.endswith("| PASS |") for row in rows), rows
+    assert len(rows) == 8 + 4 + 4 + 5 + 1 + 2 + 3 + 1 and all(row.endswith("| PASS |") for row in rows), rows
     stage_rows = [row for row in rows if row.startswith("| tiny_m stage") and "collectives forced" in row]
     assert len(stage_rows) == 8 and all("losses bitwise equal" in row for row in stage_rows)
     assert sum("DP traffic 3.0000Ψ/step" in row for row in stage_rows) == 2  # stage 3, bf16 and fp16; 2Ψ the rest
@@ -145,8 +145,9 @@ def test_cpu_rehearsal_runs_every_check():
     [overlap] = [row for row in rows if row.startswith("| Pa+cpu prefetch")]
     assert "on demand 0" in overlap and "bitwise equal" in overlap
     assert lines[-3] == ("rows: stages through the collectives (gloo, world 1) 8, parity 4, world 2 (gloo) 4, "
-                         "TP2xDP2 (gloo) 5, tiny_l 1, ZeRO-R 3, bench 1; skipped: none")
-    assert lines[-1].startswith("26/26 checks pass")
+                         "TP2xDP2 (gloo) 5, tiny_l 1, step-time model 2, ZeRO-R 3, bench 1; skipped: none")
+    assert sum("vs the step-time model" in row for row in rows) == 2  # prediction_rows.py: GEMM curve, step
+    assert lines[-1].startswith("28/28 checks pass")
 
 
 def test_a_row_that_cannot_be_built_is_a_failed_row():
