@@ -56,9 +56,14 @@ def _step_seconds(point_dict: dict, steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def measure(steps: int = 15) -> dict:
-    """{"shape", "micro_batch", "recompute", "layers": [...], "step_s": [...]} at DEPTHS."""
+def measure(steps: int = 15, rounds: int = 5) -> dict:
+    """{"shape", "micro_batch", "recompute", "layers": [...], "step_s": [...]} at DEPTHS: per depth
+    the median over `rounds` fresh ranks, the depths interleaved, so that a burst of other work
+    on the machine lands on both (one round's per-layer time moved 40% between two calibrations)."""
     points = [vanishing_point(layers) for layers in DEPTHS]
-    seconds = [spawn(_step_seconds, 1, p.as_dict(), steps, backend="gloo", timeout=120)[0] for p in points]
+    seconds = [[] for _ in points]
+    for _ in range(rounds):
+        for depth, p in enumerate(points):
+            seconds[depth].append(spawn(_step_seconds, 1, p.as_dict(), steps, backend="gloo", timeout=120)[0])
     return {"shape": dict(SHAPE), "micro_batch": MICRO_BATCH, "recompute": bool(points[0].train["recompute"]),
-            "layers": list(DEPTHS), "step_s": seconds}
+            "layers": list(DEPTHS), "step_s": [statistics.median(s) for s in seconds]}
