@@ -152,8 +152,10 @@ class ChildPool:
                     ok, payload = pickle.loads(job.conn.recv_bytes())
                 except EOFError:
                     ok, payload = False, f"{self.what} process died with exit code {job.proc.exitcode}"
-            elif not job.proc.is_alive():
+            elif not job.proc.is_alive() and not job.conn.poll():  # it may have sent just before exiting
                 ok, payload = False, f"{self.what} process died with exit code {job.proc.exitcode}"
+            elif not job.proc.is_alive():
+                continue  # its result is in the pipe: read on the next call
             elif time.monotonic() - job.started > job.timeout:
                 job.proc.kill()
                 ok, payload = False, f"{self.what} timed out after {job.timeout:.0f} s"

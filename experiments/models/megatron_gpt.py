@@ -156,7 +156,7 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
     shape.check_tp(tp)
     with warnings.catch_warnings():  # megatron 0.16 warns about a CUDA-graph default it sets itself
         warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
-        config = _transformer_config(shape, tp, recompute, dtype)
+        config = transformer_config(shape, tp, recompute, dtype)
     # Megatron's own draw (in construction order, from the global generator) would be
     # overwritten: build with no-op init methods (its CPU initialization still allocates each
     # weight and marks its TP attributes), then draw every parameter by name.
@@ -181,7 +181,8 @@ def _skip_init(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.dtype) -> TransformerConfig:
+    """megatron-core's TransformerConfig for `shape` at TP `tp`, as build_gpt builds it."""
     # fp16/bf16 as Megatron trains: its softmax then runs on scores upcast to fp32
     # (attention_softmax_in_fp32), and returns probabilities in the training dtype
     return TransformerConfig(params_dtype=dtype, fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,

@@ -136,7 +136,7 @@ class OutcomeAgreement:
         try:
             store.wait([f"wake/{self.rank}"])
         except dist.DistError:
-            return  # the store's server is gone with the job
+            pass  # the store's server died with rank 0 before the point ended: nothing will wake us
         self._abort()
 
     def _abort(self) -> None:

@@ -47,8 +47,8 @@ def run_job_points(points: list[Point], job, results_dir: Path, force: bool) -> 
     for point in todo:
         try:
             run_as_rank(point, results_dir.parent, "slurm (submitit)", store)
-        except RanksLost:
-            raise  # the others cannot train a point without the silent rank
+        except (RanksLost, dist.DistError):
+            raise  # a silent rank, or the job's store gone with rank 0: no later point can run
         except Exception as e:  # every rank raises alike; rank 0 has recorded why
             print(f"point {point.point_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
             del e

@@ -120,6 +120,7 @@ def test_multi_rank_rows_run_where_the_gpus_are(monkeypatch):
         assert multi_rank_rows.skipped_layouts() == skipped
 
 
+@pytest.mark.slow
 def test_cpu_rehearsal_runs_every_check():
     done = run_check("--rehearse")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

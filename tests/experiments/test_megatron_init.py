@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 import zero_impl
 from helpers import gather_tp
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import (INIT_STD, GPTShape, ParamRole, _transformer_config, build_gpt,
+from experiments.models.megatron_gpt import (INIT_STD, GPTShape, ParamRole, transformer_config, build_gpt,
                                              init_parameter, initialize_parallel, megatron_param_init_fn, param_role)
 
 pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
@@ -165,7 +165,7 @@ def test_transformer_engine_names_get_the_local_specs_init():
     """The TE spec's fused LayerNorm (`linear_qkv.layer_norm_weight`) is a norm (1, not the 1.0
     fill of every weight of a class whose name contains "norm"), its QKV/FC1 weight a
     column-parallel N(0, 0.02) weight; applied to tensors, both specs' names give the same values."""
-    config = _transformer_config(GPTShape(layers=4, hidden=64, heads=4), 1, False, torch.float32)
+    config = transformer_config(GPTShape(layers=4, hidden=64, heads=4), 1, False, torch.float32)
     for te, local in TE_TO_LOCAL.items():
         assert param_role(te) == param_role(local), te
         shape = (64,) if te.rsplit(".", 1)[-1] in ("layer_norm_weight", "layer_norm_bias", "bias") else (64, 64)

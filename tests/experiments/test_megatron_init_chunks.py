@@ -10,11 +10,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from experiments.models import megatron_gpt
-from experiments.models.megatron_gpt import GPTShape, _transformer_config, init_parameter, param_role, parameter_seed
+from experiments.models.megatron_gpt import GPTShape, transformer_config, init_parameter, param_role, parameter_seed
 
 pytestmark = pytest.mark.numerical
 
-CONFIG = _transformer_config(GPTShape(layers=2, hidden=24, heads=4, seq_len=35), 1, False, torch.float32)
+CONFIG = transformer_config(GPTShape(layers=2, hidden=24, heads=4, seq_len=35), 1, False, torch.float32)
 SEED = 11
 # (name, full TP=1 shape, partition stride): column-parallel (rows split), row-parallel (columns
 # split), the vocabulary-parallel embedding, a serial one with a short tail (35 x 5: chunks of 16

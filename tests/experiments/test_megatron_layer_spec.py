@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from megatron.core.models.gpt import gpt_layer_specs
 
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import GPTShape, _transformer_config, build_gpt, gpt_layer_spec, initialize_parallel
+from experiments.models.megatron_gpt import GPTShape, transformer_config, build_gpt, gpt_layer_spec, initialize_parallel
 from experiments.points import ConfigError, expand
 
 SHAPE = GPTShape(layers=1, hidden=16, heads=4, seq_len=8, vocab_size=256)
@@ -58,7 +58,7 @@ def test_default_layer_spec_keeps_point_ids_and_is_in_the_config(compose):
 @pytest.mark.parametrize("dtype, fp16, bf16", [(torch.float32, False, False), (torch.float16, True, False),
                                                (torch.bfloat16, False, True)])
 def test_megatron_precision_flags_follow_the_dtype(dtype, fp16, bf16):
-    config = _transformer_config(SHAPE, 1, False, dtype)
+    config = transformer_config(SHAPE, 1, False, dtype)
     assert (config.fp16, config.bf16, config.attention_softmax_in_fp32, config.params_dtype) == (fp16, bf16, True, dtype)
 
 
