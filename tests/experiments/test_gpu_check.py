@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from experiments.gpu_check import common, engine_rows, multi_rank_rows, zero_r_rows
