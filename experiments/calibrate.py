@@ -28,6 +28,9 @@ DEFAULT_DIR = Path(__file__).resolve().parents[1] / "results" / "calibration"
 
 
 def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
     args = dict(a.split("=", 1) for a in argv if "=" in a)
     unknown = set(args) - {"out"} or [a for a in argv if "=" not in a]
     if unknown:
