@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import yaml
 
+from experiments.analysis.calibrated import kernel_floor_s
 from experiments.calibration.profile import measure_profile
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "results" / "calibration"
@@ -43,8 +44,8 @@ def main(argv: list[str]) -> int:
     out.write_text(yaml.safe_dump(profile, sort_keys=False))
     best = max(g["flops_per_s"] for g in profile["gemm"])
     print(f"wrote {out} in {time.monotonic() - began:.0f} s: best GEMM {best / 1e9:.0f} GFLOP/s, "
-          f"stream {profile['stream']['bytes_per_s'] / 1e9:.1f} GB/s, op floor "
-          f"{profile['op_floor']['forward_s'] * 1e6:.1f} us fwd / {profile['op_floor']['backward_s'] * 1e6:.1f} us bwd, "
+          f"stream {profile['stream']['bytes_per_s'] / 1e9:.1f} GB/s, kernel floor "
+          f"{kernel_floor_s(profile['framework']) * 1e6:.1f} us (one op {profile['op_floor']['forward_s'] * 1e6:.1f} us), "
           f"worlds {sorted(profile['collectives'])} (threads {profile['threads']}, load {profile['load_average']})")
     return 0
 

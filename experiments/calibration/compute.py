@@ -22,9 +22,9 @@ from experiments.points import load_model
 SQUARE_SIZES = (32, 64, 128, 256, 512, 1024)
 
 
-def median_seconds(fn: Callable[[], object], *, repeats: int = 9, min_s: float = 0.005,
-                   clock: Callable[[], float] = time.thread_time) -> float:
-    """Median seconds per call of fn, over `repeats` timings of enough calls to last min_s."""
+def median_seconds(fn: Callable[[], object], *, repeats: int = 9, min_s: float = 0.005) -> float:
+    """Median thread CPU seconds per call of fn, over `repeats` timings of enough calls to last min_s."""
+    clock = time.thread_time
     fn()  # warm: first-call allocation and dispatch caches
     began, calls = clock(), 0
     while clock() - began < min_s / 4:
