@@ -4,7 +4,7 @@
     python -m experiments.gpu_check --rehearse   # on CPU: the same script at CPU sizes (proves the script, not CUDA)
 
 1. stages: megatron-core GPT `tiny_m`, ZeRO stages 0-3 x bf16 and fp16, world 1, every
-   collective through NCCL (zero.force_collectives: the communicator no longer short-circuits
+   collective through NCCL (zero.force_collectives: the communicator does not short-circuit
    a world of one), trained by experiments/run/real.py's `train_rank`: finite losses, applied
    steps, model states equal to Table 1's prediction up to padding, the ledger's traffic 2Ψ/3Ψ
    per step, and losses bitwise those of the same point with local copies (engine_rows.py);
@@ -25,10 +25,10 @@
 7. after the 1.3B row, the step-time model (prediction_rows.py): the device's GEMM curve and the 1.3B point's step
    time, each beside what experiments/analysis/step_time.py predicts on the device's profile.
 
-Prints a Markdown block (the README's "GPU check" section takes it as is), then a line naming
-the row groups that ran and those skipped, and why; exit code 1 if any check FAILs. Without
-CUDA it prints one line and exits 0. Ranks are started with `spawn` (CUDA does not survive
-`fork`). A rehearsal runs the multi-rank rows on 2 and 4 CPU ranks with gloo.
+Prints a Markdown block (docs/cluster_path.md's `make gpu-check` section takes it as is), then
+a line naming the row groups that ran and those skipped, and why; exit code 1 if any check
+FAILs. Without CUDA it prints one line and exits 0. Ranks are started with `spawn` (CUDA does
+not survive `fork`). A rehearsal runs the multi-rank rows on 2 and 4 CPU ranks with gloo.
 """
 from __future__ import annotations
 
