@@ -206,7 +206,8 @@ class ZeroEngine(nn.Module):
         """Everything needed to resume, keyed for torch.distributed.checkpoint (DCP): the fp32
         masters as `model.<name>`, the optimizer states, steps, loss scaler and RNG states; each
         value is this rank's pieces of a full tensor (checkpoint/state_dict.py). Before the first
-        step it creates the optimizer states, placeholders for dcp.load to fill. Replaces
+        step it creates the optimizer states, placeholders for dcp.load to fill (a view of them that
+        the first step invalidates: checkpoint/state_dict.py). Replaces
         nn.Module's, which would list the engine's model-precision views (and, at stage 3, empty
         shards).
 

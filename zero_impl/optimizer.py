@@ -17,7 +17,9 @@ which marks phases with them, is unaffected; a hook that counts steps is not).
 """
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -109,6 +111,11 @@ class ShardedOptimizer:
         self.grad_norm = float("nan")
         self.skipped_steps = 0
         self.placeholder_states = False  # init_states' states, until a checkpoint is loaded into them
+        self._placeholders: list[weakref.ref] = []  # init_states' state tensors, until the first step
+        # torch's own load (optimizer.load_state_dict, as DCP's set_optimizer_state_dict calls it)
+        # puts a checkpoint's states in place of the placeholders: the first step keeps those.
+        # A weak reference: the optimizer may outlive this object (an LR scheduler holds it).
+        self.optimizer.register_load_state_dict_post_hook(functools.partial(_states_loaded, weakref.ref(self)))
 
     def global_grad_sumsq(self) -> tuple[float, bool]:
         """(sum of squares of the true, unscaled-by-clip gradient, any non-finite value anywhere),
@@ -138,9 +145,8 @@ class ShardedOptimizer:
 
     def step(self) -> bool:
         """Apply one update from the reduced gradients; False (and nothing changed) on overflow."""
-        if self.placeholder_states:  # never loaded into: start from no states, as a fresh optimizer
-            self.optimizer.state.clear()
-            self.placeholder_states = False
+        if self._placeholders:
+            self._settle_placeholders()
         sumsq, overflow = self.global_grad_sumsq()
         scale = self.scaler.scale
         if overflow:
@@ -178,26 +184,51 @@ class ShardedOptimizer:
         """Give the torch optimizer states to load a checkpoint into if it has none (torch creates
         them at the first step), as torch's get_state_dict does (torch/distributed/checkpoint/
         state_dict.py, _init_optim_state): a step over zero gradients at learning rate 0, which
-        leaves every master as it is, then every state tensor zeroed. They are placeholders: the
-        first step() drops them unless a checkpoint was loaded into them (checkpoint/state_dict.py)."""
+        leaves every master as it is, then every state tensor zeroed. The step runs over the same
+        chunks as step()'s updates, each chunk's zero gradients freed after it, so its temporaries
+        are one chunk's, not the shard's (at once, a foreach Adam's cost 8 bytes per owned element).
+        They are placeholders: the first step() drops them unless a checkpoint was loaded into them
+        (checkpoint/state_dict.py) or torch's optimizer.load_state_dict put other states in."""
         if self.optimizer.state or not self.masters:
             return
         groups = self.optimizer.param_groups
         lrs = [group["lr"] for group in groups]
         for group in groups:
             group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
-        for m in self.masters:
-            m.tensor.grad = torch.zeros_like(m.tensor)
-        self.optimizer.step()
+        for chunk in self.chunks:
+            for m in chunk:
+                m.tensor.grad = torch.zeros_like(m.tensor)
+            self.optimizer.step()
+            for m in chunk:
+                m.tensor.grad = None
         for group, lr in zip(groups, lrs):
             group["lr"] = lr
-        for m in self.masters:
-            m.tensor.grad = None
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.zero_()
+        states = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        for value in states:
+            value.zero_()
+        self._placeholders = [weakref.ref(v) for v in states]
         self.placeholder_states = True
+
+    def _settle_placeholders(self) -> None:
+        """At the first step: unless a checkpoint was loaded into them, each master's states that
+        are all still init_states' tensors (by identity: a state put in their stead is kept) go, so
+        the step starts from none, as a fresh optimizer's. Then the storage of every placeholder
+        that no state (nor master) uses is released in place: a state dict taken before the first
+        step is a view of them, and one the caller still holds must not keep them for the run (its
+        tensors then have empty storage: it is invalidated by the first step)."""
+        placeholders = {id(t): t for ref in self._placeholders if (t := ref()) is not None}
+        self._placeholders = []
+        state = self.optimizer.state
+        if self.placeholder_states:
+            for p in [p for p, s in state.items()
+                      if all(placeholders.get(id(v)) is v for v in s.values() if torch.is_tensor(v))]:
+                del state[p]
+        self.placeholder_states = False
+        used = {v.untyped_storage().data_ptr() for s in state.values() for v in s.values() if torch.is_tensor(v)}
+        used.update(m.tensor.untyped_storage().data_ptr() for m in self.masters)  # a state may alias its master
+        for t in placeholders.values():
+            if t.untyped_storage().data_ptr() not in used:
+                t.untyped_storage().resize_(0)
 
     def chunk_bytes(self) -> int:
         """Bytes of the masters the largest update covers (CB): its temporaries scale with them."""
@@ -241,6 +272,13 @@ class ShardedOptimizer:
         states = sum(v.numel() for state in self.optimizer.state.values() for v in state.values()
                      if torch.is_tensor(v) and v.dim() > 0)
         return round(states / numel) if numel else 0
+
+
+def _states_loaded(ref: weakref.ref, optimizer: torch.optim.Optimizer) -> None:
+    """optimizer.load_state_dict's post hook: the states are now the loaded ones, keep them."""
+    so = ref()
+    if so is not None:
+        so.placeholder_states = False
 
 
 def _chunks(masters: list[Master], bucket_size: int | None) -> list[list[Master]]:

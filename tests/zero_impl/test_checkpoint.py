@@ -4,6 +4,7 @@ bare model; the wrapped model's own state_dict() never silently misleads.
 """
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import warnings
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import zero_impl
 from zero_impl import checkpoint
-from zero_impl.checkpoint.state_dict import unpack
+from zero_impl.checkpoint.state_dict import Chunked, unpack
 from helpers import CLIP, FP64_TOL, adamw, global_batch, make_model, max_abs_diff, param_groups
 from experiments.launch import spawn
 from experiments.models.tiny_gpt import TinyGPTConfig, TinyGPT, lm_loss
@@ -286,6 +287,60 @@ def test_stock_dcp_load_into_a_fresh_engine(tmp_path, precision):
         assert r["losses"][0] == r["losses"][1] and r["same"], stage
         assert r["zeros"] and r["steps"][0] == r["steps"][1] == 5, (stage, r)
         assert r["untouched"], stage
+
+
+def _step(engine, step: int) -> None:
+    """One update from micro-batch `step` of a one-rank world, no accumulation."""
+    tokens = global_batch(step, 1, 1)[0, 0]
+    engine.backward(lm_loss(engine(tokens), tokens))
+    assert engine.step()
+
+
+def _held_only_by(sd: dict, engine) -> int:
+    """Bytes of the storages of `sd`'s optimizer entries that none of the engine's tensors uses."""
+    engine_storages = {t.untyped_storage().data_ptr() for ts in engine.state_tensors().values() for t in ts}
+    held = {}
+    for key, value in sd.items():
+        tensors = [t for _, t in value.chunks] if isinstance(value, Chunked) else [value]
+        for t in (t for t in tensors if key.startswith("optim") and torch.is_tensor(t)):
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(n for ptr, n in held.items() if ptr not in engine_storages)
+
+
+def test_states_put_in_by_torchs_own_load_state_dict_are_kept():
+    """A fresh engine's state_dict() makes placeholder states; torch's optimizer.load_state_dict then
+    puts a checkpoint's in their place (as DCP's set_optimizer_state_dict does). The first step keeps
+    those: it continues as the engine that saved them, bitwise (step count 3, its moments)."""
+    trained, fresh = build(stage=1, accum=1), build(stage=1, accum=1)
+    for step in range(2):
+        _step(trained, step)
+    fresh.module.load_state_dict(trained.module.state_dict())  # fp32: the masters are the model's shard
+    sd = fresh.state_dict()
+    fresh.optimizer.load_state_dict(copy.deepcopy(trained.optimizer.state_dict()))
+    for engine in (trained, fresh):
+        _step(engine, 2)
+    ours, theirs = fresh.optimizer.state_dict()["state"], trained.optimizer.state_dict()["state"]
+    assert ours.keys() == theirs.keys() and len(ours) > 0
+    for index, state in theirs.items():
+        assert float(ours[index]["step"]) == float(state["step"]) == 3.0, index
+        assert all(torch.equal(ours[index][k], state[k]) for k in ("exp_avg", "exp_avg_sq")), index
+    assert max_abs_diff(trained.full_parameters(), fresh.full_parameters()) == 0.0
+    assert _held_only_by(sd, fresh) == 0  # the placeholders torch's load replaced went at the step
+
+
+def test_a_held_state_dict_keeps_no_placeholder_past_the_first_step():
+    """A state dict taken before the first step is a view of placeholder states; the first step drops
+    them (nothing was loaded) and releases their storage, so holding `sd` does not keep Adam's
+    moments twice for the whole run (Figure 2's 170B point: 3.4 GB). The first step invalidates it."""
+    engine = build(stage=2, accum=1)
+    sd = engine.state_dict()
+    owned = sum(m.tensor.numel() for m in engine.sharded_optimizer.masters)
+    placeholders = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for k, v in sd.items() if k.startswith("optim.") for _, t in v.chunks}
+    assert sum(placeholders.values()) == 8 * owned  # exp_avg and exp_avg_sq, fp32
+    _step(engine, 0)
+    assert _held_only_by(sd, engine) == 0
+    assert all(float(s["step"]) == 1.0 for s in engine.optimizer.state.values())  # a fresh optimizer's first
 
 
 def test_the_wrapped_models_own_state_dict_never_misleads():

@@ -81,6 +81,50 @@ def test_step_temporaries_are_bounded_by_the_chunk(stage, foreach):
         assert all(torch.equal(w["params"][k], c["params"][k]) for k in w["params"])
 
 
+def _placeholder_peak(stage: int, optimizer_bucket_size: int | None, foreach: bool) -> dict:
+    """The transient peak of engine.state_dict() on an engine that has not stepped (it creates the
+    optimizer states, as placeholders for dcp.load), above what it leaves allocated."""
+    torch.manual_seed(0)
+    config = zero_impl.ZeroConfig(stage=stage, precision="fp16", reduce_bucket_size=40_000,
+                                  optimizer_bucket_size=optimizer_bucket_size)
+    engine = zero_impl.initialize(TinyGPT(SHAPE).to(torch.float16), config,
+                                  optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-3, foreach=foreach))
+    tracker = MemTracker()
+    tracker.track_external(*_live_tensors())
+    with warnings.catch_warnings(), tracker:
+        warnings.simplefilter("ignore", UserWarning)
+        before = _total(tracker.get_tracker_snapshot())
+        sd = engine.state_dict()
+        after = _total(tracker.get_tracker_snapshot())
+        peak = _total(tracker.get_tracker_snapshot("peak"))
+    so = engine.sharded_optimizer
+    masters = [m.tensor.numel() for m in so.masters]
+    return {"transient": peak - after, "kept": after - before, "owned": sum(masters), "largest_master": max(masters),
+            "states": sum(v.untyped_storage().nbytes() for s in so.optimizer.state.values() for v in s.values()),
+            "placeholders": sum(len(sd[k].chunks) for k in sd if k.startswith("optim."))}
+
+
+@pytest.mark.parametrize("stage,foreach", [(1, True), (2, False), (3, True)])
+def test_placeholder_states_are_built_a_chunk_at_a_time(stage, foreach):
+    """An unstepped engine's state_dict() creates Adam's states with a step at lr 0 over zero
+    gradients (torch's _init_optim_state): over the same chunks as the real step, so a resume's
+    peak is not the whole shard's temporaries above the training peak (Figure 2's 170B point:
+    +3.4 GB at 8 bytes per owned element)."""
+    whole = spawn(_placeholder_peak, 2, stage, None, foreach, timeout=120)
+    chunked = spawn(_placeholder_peak, 2, stage, CHUNK, foreach, timeout=120)
+    for w, c in zip(whole, chunked):
+        # what stays is the same: Adam's two fp32 moments and step counts, views of them in the state dict
+        assert c["kept"] == w["kept"] == c["states"] >= 8 * c["owned"] and c["placeholders"] == w["placeholders"] > 0
+        # the step's temporaries: the fp32 zero gradients, and AdamW's as in the real step (see
+        # test_step_temporaries_are_bounded_by_the_chunk): foreach, one fp32 temporary per element
+        # of the chunk (the scaled gradient's copy, then the second moments' square roots);
+        # single-tensor, two fp32 temporaries of one master
+        assert w["transient"] >= (8 if foreach else 4) * w["owned"]
+        chunk = max(CHUNK, c["largest_master"])
+        bound = 4 * chunk + (4 * chunk if foreach else 2 * 4 * c["largest_master"]) + 4096
+        assert c["transient"] <= bound < w["transient"], (c["transient"], bound, w["transient"])
+
+
 class GroupStepSGD(torch.optim.SGD):
     """Element-wise, but counts steps per param group, as apex's and TE's FusedAdam do."""
 

@@ -15,7 +15,10 @@ flattened local tensor is at most three boxes of it, which DCP reshards like any
 An engine that has not stepped has no optimizer states yet (torch creates them at the first
 step); its state dict carries placeholders of their shapes (ShardedOptimizer.init_states), so
 `sd = engine.state_dict(); dcp.load(sd, checkpoint_id=path); engine.load_state_dict(sd)` loads
-into them in place, as torch's own get_state_dict does for a fresh optimizer.
+into them in place, as torch's own get_state_dict does for a fresh optimizer. Such a state dict is
+a view of the placeholders and the first step invalidates it: it drops those nothing was loaded
+into and releases the storage of every placeholder no longer a state, so a state dict still held
+reads as empty there instead of keeping Adam's moments twice for the whole run (take a new one).
 """
 from __future__ import annotations
 
