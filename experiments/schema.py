@@ -198,8 +198,36 @@ class PredictConfig:
     zero: ZeroSettings = field(default_factory=ZeroSettings)
 
 
+@dataclass
+class PlanConfig:
+    """experiments/plan.py: every configuration of `model` on `gpus` GPUs of `cluster` (ZeRO
+    stage, TP, micro-batch, recomputation, ZeRO-R's Pa / Pa+cpu), its memory (analytic, then
+    simulated for the best candidates) and its predicted speed, best first."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    gpus: int = 8
+    device_memory_gb: Optional[float] = None   # replaces the cluster's (a cluster without a profile needs it)
+    gpus_per_node: Optional[int] = None        # likewise: TP stays inside a node
+    global_batch: Optional[int] = None         # sequences per step, fixed: accumulation fills micro x DP up to it
+    stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    recompute: list[bool] = field(default_factory=lambda: [True, False])
+    system: str = "zero_repro"     # whose step the speed is predicted for (analysis/systems.py)
+    confirm: int = 3               # simulate until this many of the fastest candidates are confirmed to fit
+    max_simulations: int = 12      # at most this many simulated ranks per plan
+    simulate_workers: int = 0      # simulations at once (0: the CPU count)
+    simulate_rank: int = 0
+    top: int = 10                  # rows printed (plan.csv has them all)
+    results_dir: str = "results/runs"
+    deepspeed_config: str = ""     # a DeepSpeed JSON: its keys fix what they set (zero_impl.deepspeed)
+
+
 def register() -> None:
     cs = ConfigStore.instance()
+    cs.store(name="plan_schema", node=PlanConfig)
     cs.store(name="predict_schema", node=PredictConfig)
     cs.store(name="sweep_schema", node=SweepConfig)
     cs.store(name="train_schema", node=TrainConfig)
