@@ -26,7 +26,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import step_time as st
-from experiments.analysis.hardware import PROFILES, Hardware, from_cluster
+from experiments.analysis.calibrated import cluster_hardware
+from experiments.analysis.hardware import PROFILES, Hardware
 from experiments.analysis.systems import SYSTEMS
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError, Point, expand
@@ -36,16 +37,6 @@ register()
 FORMATS = ("table", "json", "kernels")   # kernels: one layer's and the head's kernel list
 POINT_DEFAULTS = {"stage": 2, "gpus": 16, "tp": 1, "micro_batch": 8}   # a point's axes not given
 PAPER_RUNS = ("fig2", "fig3", "fig4", "fig6", "fig7", "fig8", "table2")  # ran by the paper's systems; the rest by this engine
-
-
-def hardware_for(cluster: dict) -> Hardware | None:
-    """The cluster's GPU profile, or for `local` this machine's calibrated one when it exists."""
-    hw = from_cluster(cluster)
-    if hw is None and cluster.get("name") == "local":
-        from experiments.analysis.calibrated import default_path, load_calibrated
-        if default_path().exists():
-            hw = load_calibrated(default_path())
-    return hw
 
 
 def _points(cfg: DictConfig) -> list[Point]:
@@ -68,7 +59,7 @@ def targets(cfg: DictConfig) -> list[tuple[Point, st.StepInputs, str, str]]:
         raise ConfigError(f"format must be one of {list(FORMATS)}, got {cfg.format!r}")
     if cfg.system is not None and cfg.system not in SYSTEMS:
         raise ConfigError(f"system must be one of {list(SYSTEMS)}, got {cfg.system!r}")
-    if hardware_for(OmegaConf.to_container(cfg.cluster)) is None:
+    if cluster_hardware(OmegaConf.to_container(cfg.cluster)) is None:
         raise ConfigError(f"cluster={cfg.cluster.name} has no step-time profile: use one of {list(PROFILES)}, or "
                           "cluster=local after `make calibrate`")
     out = []
@@ -78,8 +69,7 @@ def targets(cfg: DictConfig) -> list[tuple[Point, st.StepInputs, str, str]]:
             x, system, zero_r = paper_inputs(point), cfg.system or paper["system"], paper["zero_r"]
         else:
             system = cfg.system or "zero_repro"
-            x = st.inputs_from_point(point, overlap=point.zero["overlap_comm"] if system == "zero_repro" else None,
-                                     pa=point.zero["partition_activations"], pa_cpu=point.zero["cpu_checkpointing"])
+            x = st.point_inputs(point, system)
             zero_r = "Pa+cpu" if x.pa_cpu else "Pa" if x.pa else "-"
         if point.stage not in SYSTEMS[system].stages:
             raise ConfigError(f"point ({point.describe()}): stage must be one of {list(SYSTEMS[system].stages)} "
@@ -128,7 +118,7 @@ def _point_text(r: dict) -> str:
 
 @hydra.main(config_path="../conf", config_name="predict", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    hw = hardware_for(OmegaConf.to_container(cfg.cluster))
+    hw = cluster_hardware(OmegaConf.to_container(cfg.cluster))
     rows = [prediction_row(*target, hw) for target in targets(cfg)]
     experiment = cfg.get("experiment") is not None
     if cfg.format == "json":
@@ -142,7 +132,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def _validate(cfg: DictConfig, remote: bool) -> None:
-    hw = hardware_for(OmegaConf.to_container(cfg.cluster)) if cfg.format in FORMATS else None
+    hw = cluster_hardware(OmegaConf.to_container(cfg.cluster)) if cfg.format in FORMATS else None
     for point, x, system, _ in targets(cfg):
         try:   # a calibrated profile knows only the worlds it measured
             st.predict(x, hw, system)

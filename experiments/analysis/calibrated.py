@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from experiments.analysis.hardware import COLLECTIVE_KINDS, Hardware
+from experiments.analysis.hardware import COLLECTIVE_KINDS, Hardware, from_cluster
 from experiments.analysis.kernels import LayerShape, step_kernels
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "results" / "calibration"
@@ -119,3 +119,12 @@ def hardware_from_profile(p: dict) -> Hardware:
 def load_calibrated(path: str | Path) -> Hardware:
     """This machine's Hardware from a profile written by `make calibrate`."""
     return hardware_from_profile(load_profile(path))
+
+
+def cluster_hardware(cluster: dict) -> Hardware | None:
+    """A cluster config's step-time profile: its GPU constants (conf/cluster/<name>.yaml), or for
+    `local` this machine's calibrated profile once `make calibrate` has written it; else None."""
+    hw = from_cluster(cluster)
+    if hw is None and cluster.get("name") == "local" and default_path().exists():
+        hw = load_calibrated(default_path())
+    return hw

@@ -243,7 +243,7 @@ def shape_inputs(model: dict, tp: int) -> dict:
 
 def inputs_from_point(point, *, overlap: bool | None = None, pa: bool = False, pa_cpu: bool = False) -> StepInputs:
     """A Point (experiments/points.py) with ZeRO-R's flags; overlap None: the system's default,
-    except that zero_repro takes the point's zero.overlap_comm (see predict_point)."""
+    except that zero_repro takes the point's zero.overlap_comm (see point_inputs)."""
     zero = point.zero
     return StepInputs(**shape_inputs(point.model, point.tp), micro_batch=point.micro_batch, tp=point.tp,
                       dp=point.dp, stage=point.stage, recompute=point.train["recompute"],
@@ -251,6 +251,15 @@ def inputs_from_point(point, *, overlap: bool | None = None, pa: bool = False, p
                       element_bytes=PRECISION_BYTES[point.train["precision"]], overlap=overlap,
                       reduce_bucket=float(zero.get("reduce_bucket_size", 4e7)),
                       allgather_bucket=float(zero.get("allgather_bucket_size", 4e7)), pa=pa, pa_cpu=pa_cpu)
+
+
+def point_inputs(point, system: str = "zero_repro") -> StepInputs:
+    """A Point as `system` would run it: this engine (zero_repro) with the point's own
+    zero.overlap_comm and ZeRO-R switches (Pa, Pa+cpu); another system with its own overlap
+    (predict.py and plan.py predict a point through this, so they agree)."""
+    zero = point.zero
+    return inputs_from_point(point, overlap=zero.get("overlap_comm", True) if system == "zero_repro" else None,
+                             pa=bool(zero.get("partition_activations")), pa_cpu=bool(zero.get("cpu_checkpointing")))
 
 
 def inputs_from_record(record: dict) -> StepInputs:

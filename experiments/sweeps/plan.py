@@ -1,0 +1,343 @@
+"""Plan a run before booking the cluster: every configuration a user could run for one model on
+`gpus` GPUs, its memory and its predicted speed, best first (experiments/plan.py is the CLI).
+
+1. Candidates: ZeRO stage x TP degree (dividing the heads, the hidden size and the GPUs, within
+   one node) x micro-batch x recomputation on/off x ZeRO-R (none; Pa and Pa+cpu where TP > 1,
+   which act on the recomputation's checkpoints). A fixed global batch keeps the candidates
+   whose micro-batch x DP divides it, accumulation filling the rest. A DeepSpeed JSON
+   (deepspeed_config=) fixes what it sets (points.expand applies it).
+2. Each is priced at once by the analytic memory model (points.predicted_memory_bytes, Table 2
+   within a few percent of the simulated rank) and the step-time model (analysis/step_time.py,
+   the same call as predict.py).
+3. The analytic model prunes: a candidate above the device's limit by more than ANALYTIC_MARGIN
+   is never simulated. The simulated rank confirms: in order of predicted speed, candidates
+   are simulated at full world size (one rank on fake tensors, run/fake.py, `workers` at a
+   time, as the `largest` search does) until `confirm` of them fit or `max_simulations` ran.
+   Its peak is what the CUDA caching allocator would hold for tensors, so a confirmed row
+   rests on the real code path, not a ledger.
+4. Rows: those that fit first (a simulated verdict over an analytic one), fastest first (tokens
+   per second, the whole job's); then
+   the rest by peak, so a user sees why. Each row carries the sweep/train overrides that run it
+   and the sbatch line.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments import records
+from experiments.analysis import step_time as st
+from experiments.analysis.calibrated import cluster_hardware
+from experiments.models.megatron_gpt import parameter_count
+from experiments.points import ConfigError, Point, expand, predicted_memory_bytes
+from experiments.run.fake import simulated_precision
+from experiments.run.record import simulated_path, verdict
+from experiments.schema import SweepConfig
+from experiments.sweeps.simulated import run_simulated
+
+ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytically: the analytic model's error
+ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
+          "Pa+cpu": {"partition_activations": True, "cpu_checkpointing": True}}
+CSV_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
+               "fits", "peak_gb", "peak_source", "limit_gb", "tflops_per_gpu_predicted", "tokens_per_s_predicted",
+               "step_s_predicted", "dominant", "point_id", "overrides", "sbatch")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One configuration: its point, its analytic peak and predicted step, and once simulated
+    its simulated peak."""
+
+    point: Point
+    zero_r: str
+    precision: str
+    limit: float
+    analytic_peak: float
+    step: st.StepTime | None
+    simulated_peak: float | None = None
+    simulation_error: str | None = None
+
+    @property
+    def peak(self) -> float:
+        return self.analytic_peak if self.simulated_peak is None else self.simulated_peak
+
+    @property
+    def fits(self) -> bool:
+        return self.simulation_error is None and self.peak <= self.limit
+
+    @property
+    def speed(self) -> float:
+        """Tokens per second predicted, the whole job (0 where the cluster has no step-time
+        profile): what a user feels. TFLOPs/GPU would rank a run without recomputation below
+        one with it, as Eq. 3 counts the recomputed forward's FLOPs."""
+        return self.point.global_batch * self.point.shape.seq_len / self.step.step_s if self.step else 0.0
+
+    @property
+    def worth_simulating(self) -> bool:
+        return self.simulated_peak is None and self.simulation_error is None \
+            and self.analytic_peak <= self.limit * (1 + ANALYTIC_MARGIN)
+
+
+def tp_degrees(cfg: DictConfig, gpus_per_node: int) -> list[int]:
+    """TP degrees megatron can split the model by (heads and hidden), dividing the GPUs, within a node."""
+    from experiments.models.megatron_gpt import GPTShape
+    m = cfg.model
+    shape = GPTShape(m.layers, m.hidden, m.heads, m.seq_len, m.vocab_size)
+    out = []
+    for tp in range(1, min(gpus_per_node, cfg.gpus) + 1):
+        try:
+            shape.check_tp(tp)
+        except ValueError:
+            continue
+        if cfg.gpus % tp == 0:
+            out.append(tp)
+    return out
+
+
+def _cluster(cfg: DictConfig) -> dict:
+    cluster = OmegaConf.to_container(cfg.cluster)
+    for key in ("device_memory_gb", "gpus_per_node"):
+        if cfg[key] is not None:
+            cluster[key] = cfg[key]
+    return cluster
+
+
+def check_plan_config(cfg: DictConfig) -> None:
+    """Reject a plan that cannot be made, naming the key (before anything is enumerated)."""
+    cluster = _cluster(cfg)
+    if cluster.get("device_memory_gb") is None:
+        raise ConfigError(f"cluster={cluster['name']} has no device_memory_gb: give device_memory_gb=<GB per GPU>")
+    if not cluster.get("gpus_per_node"):
+        raise ConfigError(f"cluster={cluster['name']} has no gpus_per_node: give gpus_per_node=<GPUs per node>")
+    for key in ("gpus", "confirm", "max_simulations", "top"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {cfg[key]!r}")
+    if cfg.global_batch is not None and cfg.global_batch < 1:
+        raise ConfigError(f"global_batch must be a positive integer, got {cfg.global_batch!r}")
+    for key, allowed in (("stages", (0, 1, 2, 3)), ("recompute", (True, False))):
+        if not cfg[key] or any(v not in allowed for v in cfg[key]):
+            raise ConfigError(f"{key} must be a non-empty list of {list(allowed)}, got {list(cfg[key])}")
+    if not cfg.micro_batches or any(isinstance(v, bool) or v < 1 for v in cfg.micro_batches):
+        raise ConfigError(f"micro_batches must be a non-empty list of positive integers, got {list(cfg.micro_batches)}")
+    if cfg.system not in st.SYSTEMS:
+        raise ConfigError(f"system must be one of {list(st.SYSTEMS)}, got {cfg.system!r}")
+    if not tp_degrees(cfg, cluster["gpus_per_node"]):
+        raise ConfigError(f"model {cfg.model.name}: no TP degree up to gpus_per_node={cluster['gpus_per_node']} "
+                          f"divides its heads ({cfg.model.heads}) and gpus={cfg.gpus}")
+
+
+def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
+    """Every configuration (module docstring, 1.) as a validated Point, with its ZeRO-R name."""
+    cluster = _cluster(cfg)
+    tps = tp_degrees(cfg, cluster["gpus_per_node"])
+    out: dict[str, tuple[Point, str]] = {}
+    for recompute in cfg.recompute:
+        for zero_r, switches in ZERO_R.items():
+            if switches and not recompute:
+                continue  # Pa and Pa+cpu partition the recomputation's checkpoints
+            sweep = OmegaConf.merge(OmegaConf.structured(SweepConfig), {
+                "model": cfg.model, "cluster": cluster, "dry_run": True,
+                **({"deepspeed_config": cfg.deepspeed_config} if cfg.deepspeed_config else {}),
+                "train": OmegaConf.merge(cfg.train, {"recompute": recompute}),
+                "zero": OmegaConf.merge(cfg.zero, switches),
+                "experiment": {"name": "plan", "grid": {
+                    "model": [cfg.model.name], "stage": list(cfg.stages), "gpus": [cfg.gpus],
+                    "tp": [tp for tp in tps if tp > 1 or not switches], "micro_batch": list(cfg.micro_batches)}}})
+            if not sweep.experiment.grid.tp:
+                continue
+            for point in expand(sweep):
+                if cfg.global_batch is not None:
+                    per_step = point.micro_batch * point.dp
+                    if cfg.global_batch % per_step:
+                        continue
+                    point = dataclasses.replace(point, train=dict(point.train, grad_accum_steps=cfg.global_batch // per_step))
+                out.setdefault(point.point_id, (point, zero_r))
+    if not out:
+        raise ConfigError(f"no configuration of {cfg.model.name} on {cfg.gpus} GPUs gives global_batch={cfg.global_batch} "
+                          f"(micro-batch x DP must divide it; micro_batches={list(cfg.micro_batches)})")
+    return list(out.values())
+
+
+def price(points: list[tuple[Point, str]], system: str) -> list[Candidate]:
+    """Each point's analytic peak and predicted step (analysis/step_time.py, as predict.py)."""
+    out = []
+    for point, zero_r in points:
+        precision = simulated_precision(point)
+        v = verdict(point, 0)
+        limit = v["device_bytes"] - v["cuda_reserve_bytes"]
+        hw = cluster_hardware(point.cluster)
+        step = st.predict(st.point_inputs(point, system), hw, system) if hw and point.stage in st.SYSTEMS[system].stages else None
+        out.append(Candidate(point, zero_r, precision, limit, predicted_memory_bytes(point, precision)["total"], step))
+    return out
+
+
+def ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """Fits first, fastest first (a simulated fit before an analytic one at the same speed),
+    then the rest by peak."""
+    return sorted(candidates, key=lambda c: (not c.fits, -c.speed if c.fits else c.peak, c.simulated_peak is None,
+                                             c.point.tp, c.point.stage, c.peak))
+
+
+def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_simulations: int,
+            workers: int, rank: int = 0, progress=None) -> int:
+    """Simulate the fastest candidates worth it until `wanted` fit (module docstring, 3.); an
+    existing simulated record of the same point is reused. Returns the simulations run."""
+    ran = 0
+    while True:
+        queue = [c for c in sorted(candidates, key=lambda c: -c.speed) if c.worth_simulating]
+        confirmed = sum(c.fits and c.simulated_peak is not None for c in candidates)
+        if confirmed >= wanted or not queue or ran >= max_simulations:
+            return ran
+        batch = queue[:min(max(1, workers), max_simulations - ran, wanted - confirmed)]
+        todo = []
+        for c in batch:
+            record = records.read_record(simulated_path(results_dir, c.point))
+            if record and record.get("simulated_rank") == rank and record.get("status") in ("ok", "oom") \
+                    and record.get("memory", {}).get("peak_bytes"):
+                c.simulated_peak = float(record["memory"]["peak_bytes"])
+            else:
+                todo.append(c)
+        by_id = {c.point.point_id: c for c in todo}
+        for record in run_simulated([c.point for c in todo], results_dir, rank=rank, workers=workers or None) if todo else []:
+            c = by_id[record["point_id"]]
+            peak = record.get("memory", {}).get("peak_bytes")
+            if record["status"] in ("ok", "oom") and peak:
+                c.simulated_peak = float(peak)
+            else:
+                c.simulation_error = (record.get("error") or record["status"]).strip().splitlines()[-1]
+        ran += len(todo)
+        if progress:
+            progress(ran, sum(c.fits and c.simulated_peak is not None for c in candidates))
+
+
+def overrides(c: Candidate) -> str:
+    """The overrides of train.py / sweep.py that run this candidate."""
+    p = c.point
+    parts = [f"model={p.model['name']}", f"stage={p.stage}", f"gpus={p.gpus}", f"tp={p.tp}",
+             f"micro_batch={p.micro_batch}", f"cluster={p.cluster['name']}",
+             f"train.recompute={str(p.train['recompute']).lower()}", f"train.grad_accum_steps={p.train['grad_accum_steps']}"]
+    if p.train["precision"] != "auto":
+        parts.append(f"train.precision={p.train['precision']}")
+    parts += [f"zero.{k}=true" for k in ZERO_R[c.zero_r]]
+    for key in ("device_memory_gb", "gpus_per_node"):
+        if p.cluster.get(key) is not None and p.cluster.get(key) != _profile_value(p.cluster["name"], key):
+            parts.append(f"cluster.{key}={p.cluster[key]:g}")
+    return " ".join(parts)
+
+
+def _profile_value(cluster: str, key: str):
+    from experiments.analysis.hardware import load_cluster
+    return (load_cluster(cluster) or {}).get(key)
+
+
+def sbatch_line(c: Candidate) -> str:
+    """slurm/run_point.sh on as many nodes as the GPUs need."""
+    per_node = c.point.cluster["gpus_per_node"]
+    nodes, gpus_per_node = math.ceil(c.point.gpus / per_node), min(per_node, c.point.gpus)
+    return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {overrides(c)}"
+
+
+def rows(candidates: list[Candidate]) -> list[dict]:
+    out = []
+    for i, c in enumerate(ranked(candidates), 1):
+        p, step = c.point, c.step
+        out.append({"rank": i, "stage": p.stage, "tp": p.tp, "dp": p.dp, "micro_batch": p.micro_batch,
+                    "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
+                    "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
+                    "peak_gb": round(c.peak / 1e9, 2), "limit_gb": round(c.limit / 1e9, 2),
+                    "peak_source": "failed: " + c.simulation_error if c.simulation_error
+                    else "simulated" if c.simulated_peak is not None else "analytic",
+                    "tflops_per_gpu_predicted": round(step.tflops_per_gpu, 2) if step else None,
+                    "tokens_per_s_predicted": round(c.speed) if step else None,
+                    "step_s_predicted": round(step.step_s, 3) if step else None,
+                    "dominant": step.dominant() if step else None, "point_id": p.point_id,
+                    "overrides": overrides(c), "sbatch": sbatch_line(c)})
+    return out
+
+
+def markdown(plan_rows: list[dict], header: str, top: int) -> str:
+    """The best `top` rows that fit and the best `top` that do not, as Markdown tables."""
+    columns = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "recompute", "zero_r", "peak_gb",
+               "peak_source", "tflops_per_gpu_predicted", "tokens_per_s_predicted", "dominant")
+    def table(rs: list[dict]) -> list[str]:
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        return lines + ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rs]
+    fit = [r for r in plan_rows if r["fits"]]
+    misses = [r for r in plan_rows if not r["fits"]]
+    out = [header, "", f"**Fits: {len(fit)} configurations; the best {min(top, len(fit))}**", ""]
+    out += table(fit[:top]) if fit else ["Nothing fits: see below."]
+    if fit:
+        out += ["", "Run the best:", "", "```", f"python experiments/train.py {fit[0]['overrides']}   # per rank (torchrun/srun)",
+                f"python experiments/train.py {fit[0]['overrides']} simulate=true   # its memory, here",
+                fit[0]["sbatch"], "```"]
+    out += ["", f"**Does not fit: {len(misses)} configurations; the {min(top, len(misses))} nearest**", ""]
+    out += table(misses[:top]) if misses else ["Everything fits."]
+    return "\n".join(out) + "\n"
+
+
+def write_plan(plan_rows: list[dict], text: str, folder: Path) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "plan.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(plan_rows)
+    (folder / "plan.md").write_text(text)
+    return folder / "plan.md", folder / "plan.csv"
+
+
+class ProgressBar:
+    """One line on stderr, redrawn: simulations run of at most `total`, and how many fit."""
+
+    def __init__(self, total: int, wanted: int) -> None:
+        self.total, self.wanted, self.began = total, wanted, time.perf_counter()
+        self(0, 0)
+
+    def __call__(self, ran: int, confirmed: int) -> None:
+        done = min(1.0, ran / self.total)
+        bar = "#" * round(30 * done) + "." * (30 - round(30 * done))
+        print(f"\rsimulating [{bar}] {ran}/{self.total} at most, {confirmed}/{self.wanted} confirmed to fit, "
+              f"{time.perf_counter() - self.began:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(file=sys.stderr)
+
+
+def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
+    """The plan's rows and its Markdown (module docstring); plan.md and plan.csv written under
+    results_dir/plan/<model>-<cluster>-g<gpus>/, the simulated records under its simulated/."""
+    check_plan_config(cfg)
+    began = time.perf_counter()
+    candidates = price(candidate_points(cfg), cfg.system)
+    cluster = candidates[0].point.cluster
+    folder = results_dir / "plan" / f"{cfg.model.name}-{cluster['name']}-g{cfg.gpus}"
+    print(f"plan: {len(candidates)} configurations of {cfg.model.name} on {cfg.gpus} GPUs of {cluster['name']} "
+          f"({cluster['device_memory_gb']:g} GB, {cluster['cuda_reserve_gb']:g} GB reserved); "
+          f"{sum(c.worth_simulating for c in candidates)} within {ANALYTIC_MARGIN:.0%} of the limit analytically",
+          file=sys.stderr)
+    bar = ProgressBar(cfg.max_simulations, cfg.confirm)
+    ran = confirm(candidates, folder, wanted=cfg.confirm, max_simulations=cfg.max_simulations,
+                  workers=cfg.simulate_workers or _cpus(), rank=cfg.simulate_rank, progress=bar)
+    bar.close()
+    plan_rows = rows(candidates)
+    params = parameter_count(candidates[0].point.shape, 1)
+    hw = cluster_hardware(cluster)
+    speed = (f"speed predicted for system {cfg.system} on {hw.name} (analysis/step_time.py)" if hw else
+             f"cluster {cluster['name']} has no step-time profile: speed not predicted, rows ordered by memory")
+    header = (f"**Plan: {cfg.model.name} ({params / 1e9:.2f}B parameters) on {cfg.gpus} GPUs of {cluster['name']}**\n\n"
+              f"{len(candidates)} configurations; limit {candidates[0].limit / 1e9:.2f} GB per GPU for tensors "
+              f"({cluster['device_memory_gb']:g} GB less {cluster['cuda_reserve_gb']:g} GB CUDA reserve); "
+              f"{ran} simulated at full world size in {time.perf_counter() - began:.0f} s; {speed}.")
+    text = markdown(plan_rows, header, cfg.top)
+    md, csv_path = write_plan(plan_rows, text, folder)
+    return plan_rows, text + f"\nwritten: {md}, {csv_path}\n"
+
+
+def _cpus() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
