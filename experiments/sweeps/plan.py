@@ -127,9 +127,6 @@ def check_plan_config(cfg: DictConfig) -> None:
         raise ConfigError(f"micro_batches must be a non-empty list of positive integers, got {list(cfg.micro_batches)}")
     if cfg.system not in st.SYSTEMS:
         raise ConfigError(f"system must be one of {list(st.SYSTEMS)}, got {cfg.system!r}")
-    if not tp_degrees(cfg, cluster["gpus_per_node"]):
-        raise ConfigError(f"model {cfg.model.name}: no TP degree up to gpus_per_node={cluster['gpus_per_node']} "
-                          f"divides its heads ({cfg.model.heads}) and gpus={cfg.gpus}")
 
 
 def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:

@@ -1,0 +1,145 @@
+"""experiments/plan.py: the configurations it enumerates, the order it ranks them in, the
+simulations that confirm the best, and its answer held against predict.py and the simulated
+rank for the same point; bad input rejected in one line with exit code 2."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from experiments.points import CONF_DIR, ConfigError
+from experiments.records import REPO
+from experiments.schema import register
+from experiments.sweeps import plan
+
+# heads 6: TP 1, 2, 3 and 6 split it; on 6 GPUs with 4 per node, TP 6 leaves the node
+SHAPE = ["model.name=plan_test", "model.layers=2", "model.hidden=96", "model.heads=6", "model.seq_len=64",
+         "model.vocab_size=500"]
+
+
+def plan_config(*overrides: str):
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="plan", overrides=[*SHAPE, "cluster=dgx_h100", *overrides])
+
+
+def test_candidates_span_stage_tp_micro_batch_recompute_and_zero_r():
+    cfg = plan_config("gpus=6", "gpus_per_node=4", "micro_batches=[1,2]")
+    found = plan.candidate_points(cfg)
+    assert {p.tp for p, _ in found} == {1, 2, 3}
+    # per stage and micro-batch: recompute on (3 TPs bare, Pa and Pa+cpu at TP 2 and 3) + off (3 TPs bare)
+    assert len(found) == 4 * 2 * (3 + 2 + 2 + 3)
+    for point, zero_r in found:
+        if zero_r != "-":
+            assert point.tp > 1 and point.train["recompute"] and point.zero["partition_activations"]
+        assert point.zero["cpu_checkpointing"] == (zero_r == "Pa+cpu")
+        assert point.cluster["gpus_per_node"] == 4 and point.train["grad_accum_steps"] == 1
+
+
+def test_a_fixed_global_batch_sets_accumulation_and_drops_what_does_not_divide():
+    cfg = plan_config("gpus=6", "gpus_per_node=4", "micro_batches=[1,2,4]", "global_batch=12", "stages=[2]",
+                      "recompute=[true]")
+    accum = {(p.tp, p.micro_batch): p.train["grad_accum_steps"] for p, zero_r in plan.candidate_points(cfg) if zero_r == "-"}
+    # DP 6, 3, 2 at TP 1, 2, 3: micro x DP x accumulation = 12; 4 x 6 and 4 x 2 x 1.5 do not divide 12
+    assert accum == {(1, 1): 2, (1, 2): 1, (2, 1): 4, (2, 2): 2, (2, 4): 1, (3, 1): 6, (3, 2): 3}
+    assert all(p.global_batch == 12 for p, _ in plan.candidate_points(cfg))
+
+
+def _priced(*overrides: str) -> list[plan.Candidate]:
+    return plan.price(plan.candidate_points(plan_config("gpus=4", "gpus_per_node=4", *overrides)), "zero_repro")
+
+
+def test_speed_is_the_step_time_models_tokens_per_second():
+    c = _priced("micro_batches=[2]", "stages=[1]", "recompute=[false]")[0]
+    x = plan.st.point_inputs(c.point, "zero_repro")
+    step = plan.st.predict(x, plan.cluster_hardware(c.point.cluster), "zero_repro")
+    assert c.step.step_s == step.step_s
+    assert c.speed == pytest.approx(2 * c.point.dp * 64 / step.step_s)
+
+
+def test_rows_that_fit_come_first_fastest_first_then_the_rest_by_peak():
+    candidates = _priced("micro_batches=[1,4]", "stages=[0,3]")
+    limit = sorted(c.analytic_peak for c in candidates)[len(candidates) // 2]
+    for c in candidates:
+        c.limit = limit
+    ranked = plan.ranked(candidates)
+    fits = [c for c in ranked if c.fits]
+    assert 0 < len(fits) < len(ranked) and ranked[:len(fits)] == fits
+    assert [c.speed for c in fits] == sorted((c.speed for c in fits), reverse=True)
+    misses = ranked[len(fits):]
+    assert [c.peak for c in misses] == sorted(c.peak for c in misses)
+
+
+def test_confirmation_simulates_the_fastest_worth_it_until_enough_fit(tmp_path, monkeypatch):
+    candidates = _priced("micro_batches=[1,2,4,8]")
+    limit = sorted(c.analytic_peak for c in candidates)[len(candidates) // 2]
+    for c in candidates:
+        c.limit = limit
+    fastest = max(candidates, key=lambda c: c.speed if c.analytic_peak <= limit * 1.1 else 0)
+    simulated = []
+
+    def fake_run_simulated(points, results_dir, **_):   # the simulated rank's verdicts, made up:
+        simulated.extend(points)                          # the fastest needs 30% more than predicted
+        return [{"point_id": p.point_id, "status": "ok",
+                 "memory": {"peak_bytes": next(c.analytic_peak for c in candidates if c.point is p)
+                            * (1.3 if p is fastest.point else 1.0)}} for p in points]
+    monkeypatch.setattr(plan, "run_simulated", fake_run_simulated)
+    ran = plan.confirm(candidates, tmp_path, wanted=2, max_simulations=10, workers=1)
+    assert simulated[0] is fastest.point and not fastest.fits   # simulated first, found not to fit
+    by_point = {id(c.point): c for c in candidates}
+    last = by_point[id(simulated[-1])]
+    assert ran == len(simulated) and last.fits   # it stops at the second confirmed fit
+    assert sum(c.fits and c.simulated_peak is not None for c in candidates) == 2
+    assert all(c.analytic_peak <= limit * (1 + plan.ANALYTIC_MARGIN) for c in candidates if c.simulated_peak)
+    speeds = [by_point[id(p)].speed for p in simulated]
+    assert speeds == sorted(speeds, reverse=True)
+    skipped = [c for c in candidates if c.simulated_peak is None and c.analytic_peak <= limit * (1 + plan.ANALYTIC_MARGIN)]
+    assert all(c.speed <= last.speed for c in skipped)
+
+
+def test_bad_plan_input_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match="device_memory_gb"):
+        plan.check_plan_config(plan_config("cluster=local", "gpus=4", "gpus_per_node=4"))
+    with pytest.raises(ConfigError, match="micro_batches"):
+        plan.check_plan_config(plan_config("micro_batches=[0]"))
+    with pytest.raises(ConfigError, match="global_batch=5"):
+        plan.candidate_points(plan_config("gpus=4", "global_batch=5", "micro_batches=[2]"))
+    out = subprocess.run([sys.executable, "experiments/plan.py", "gpus=0"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == ["error: gpus must be a positive integer, got 0"]
+
+
+@pytest.mark.slow
+def test_the_top_row_fits_under_simulation_and_agrees_with_predict_and_train(tmp_path):
+    """The whole app: its best row, simulated by plan.py, is the point train.py simulate=true
+    measures, at the speed predict.py gives for the same overrides."""
+    args = [*SHAPE, "cluster=dgx_h100", "gpus=4", "micro_batches=[1,8,64]", "stages=[1,3]", "device_memory_gb=0.05",
+            "cluster.cuda_reserve_gb=0", "confirm=1", "max_simulations=3", "simulate_workers=2", f"results_dir={tmp_path}"]
+    out = subprocess.run([sys.executable, "experiments/plan.py", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "confirmed to fit" in out.stderr   # the progress bar
+    with open(tmp_path / "plan" / "plan_test-dgx_h100-g4" / "plan.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {"stage", "tp", "micro_batch", "fits", "peak_gb", "tflops_per_gpu_predicted"} <= set(rows[0])
+    top = rows[0]
+    assert top["fits"] == "True" and top["peak_source"] == "simulated"
+    assert any(r["fits"] == "False" for r in rows)   # the ones that do not fit are listed too
+    assert top["overrides"] in out.stdout and top["sbatch"].startswith("sbatch --nodes=1 --gpus-per-node=4 slurm/run_point.sh")
+    extra = [a for a in top["overrides"].split() if not a.startswith("model=")] + SHAPE[1:] + ["model.name=plan_test"]
+    predicted = subprocess.run([sys.executable, "experiments/predict.py", *extra, "format=json"], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+    assert predicted.returncode == 0, predicted.stderr
+    assert round(json.loads(predicted.stdout)["tflops_per_gpu_predicted"], 2) == float(top["tflops_per_gpu_predicted"])
+    simulated = subprocess.run([sys.executable, "experiments/train.py", *extra, "simulate=true", f"results_dir={tmp_path}/t"],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert simulated.returncode == 0, simulated.stderr
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "t").rglob("simulated/*.json")]
+    assert record["point_id"] == top["point_id"]
+    assert round(record["memory"]["peak_bytes"] / 1e9, 2) == float(top["peak_gb"])
