@@ -43,6 +43,9 @@ class ZeroConfig:
         while backward computes the next bucket; False = blocking collectives.
     loss_scale: fp16 only; 0 = dynamic loss scaling starting at 2**initial_scale_power, halved
         on overflow and doubled after loss_scale_window clean steps, never below min_loss_scale.
+    hysteresis: overflows tolerated before the dynamic scale halves (DeepSpeed's fp16.hysteresis,
+        whose default is 2; 1 halves on every overflow), counted down per overflow and refilled
+        when the scale grows; consecutive_hysteresis refills it after every clean step (loss_scaler.py).
     stage3_unit_classes: class names of the submodules gathered as one unit (default: the
         blocks of the first ModuleList); everything else belongs to the root unit.
     stage3_max_live_units: most units gathered at once, the root included (>= 2).
@@ -84,6 +87,8 @@ class ZeroConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
     stage3_unit_classes: tuple[str, ...] | None = None
     stage3_max_live_units: int = 3
     stage3_prefetch_bucket_size: int = 50_000_000
@@ -106,7 +111,7 @@ class ZeroConfig:
             if isinstance(value, float) and value.is_integer():
                 setattr(self, key, int(value))
         for key, minimum in (("grad_accum_steps", 1), ("reduce_bucket_size", 1), ("allgather_bucket_size", 1),
-                             ("loss_scale_window", 1), ("stage3_prefetch_bucket_size", 0),
+                             ("loss_scale_window", 1), ("hysteresis", 1), ("stage3_prefetch_bucket_size", 0),
                              ("stage3_param_persistence_threshold", 0),
                              ("stage3_max_live_units", 2)):  # 2: the root unit and the running one
             _check_int(key, getattr(self, key), minimum)
@@ -121,8 +126,8 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig.{key} must be >= 0, got {getattr(self, key)!r}")
         if not self.min_loss_scale > 0:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}")
-        for key in ("overlap_comm", "check_collective_order", "force_collectives", "partition_activations",
-                    "cpu_checkpointing", "contiguous_memory_optimization"):
+        for key in ("overlap_comm", "consecutive_hysteresis", "check_collective_order", "force_collectives",
+                    "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"ZeroConfig.{key} must be true or false, got {getattr(self, key)!r}")
         if self.cpu_checkpointing and not self.partition_activations:
@@ -172,6 +177,13 @@ class ZeroConfig:
         if unknown:
             raise ValueError(f"unknown ZeroConfig key(s) {unknown}; allowed: {sorted(known)}")
         return cls(**values)
+
+    @classmethod
+    def from_deepspeed(cls, path_or_dict) -> "ZeroConfig":
+        """The engine config a DeepSpeed JSON (a path or its dict) describes, DeepSpeed's defaults
+        for what it omits; raises deepspeed.DeepSpeedConfigError naming a key it cannot honour."""
+        from .deepspeed import parse_deepspeed  # deepspeed.py imports this module
+        return parse_deepspeed(path_or_dict).zero
 
 
 ZERO_R_SWITCHES = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")

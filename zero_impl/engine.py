@@ -75,7 +75,8 @@ class ZeroEngine(nn.Module):
                   for b in self.params.buckets]
         self.scaler = LossScaler(enabled=config.precision == "fp16", static_scale=config.loss_scale,
                                  initial_scale_power=config.initial_scale_power,
-                                 window=config.loss_scale_window, min_scale=config.min_loss_scale)
+                                 window=config.loss_scale_window, min_scale=config.min_loss_scale,
+                                 hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis)
         self.sharded_optimizer = ShardedOptimizer(
             shards, group_options, optimizer,
             clip_grad_norm=config.clip_grad_norm, scaler=self.scaler, dp=self.dp, mp=self.mp,

@@ -188,6 +188,7 @@ def _meta(engine) -> dict[str, Any]:
     so = engine.sharded_optimizer
     return {"format": FORMAT, "steps": engine.steps, "micro_steps": engine.micro_steps,
             "skipped_steps": so.skipped_steps, "loss_scale": engine.scaler.scale, "clean_steps": engine.scaler.clean_steps,
+            "hysteresis_left": engine.scaler.hysteresis_left,
             "optimizer_state": engine.steps > so.skipped_steps,  # torch optimizers create states at their first step
             "stage": engine.config.stage, "precision": engine.config.precision, "dp": engine.dp.size,
             "tp": engine.mp.size, "params": _full_shapes(engine), "state_keys": _state_keys(engine.module)}
@@ -279,6 +280,8 @@ def load_state_dict(engine, sd: dict[str, Any]) -> None:
     engine.steps, so.skipped_steps = meta["steps"], meta["skipped_steps"]
     engine.micro_steps = meta["micro_steps"] if meta["micro_steps"] % accum == 0 else meta["steps"] * accum
     engine.scaler.scale, engine.scaler.clean_steps = meta["loss_scale"], meta["clean_steps"]
+    # a checkpoint written before the scaler had a hysteresis counter: the counter full
+    engine.scaler.hysteresis_left = meta.get("hysteresis_left", engine.scaler.hysteresis)
     engine._boundary_traffic = [engine.ledger.snapshot()] * 2  # the load's gathers are not a step's
     if f"rng.{rank()}" in sd:
         _set_rng(unpack(sd[f"rng.{rank()}"]))
