@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from functools import cache
@@ -22,7 +23,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from zero_impl import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig
+from zero_impl import (DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, DeepSpeedConfig, DeepSpeedConfigError,
+                       ZeroConfig, parse_deepspeed)
+from zero_impl.deepspeed import DEEPSPEED_KEYS
 from experiments.analysis.activations import activation_memory, engine_buffer_bytes
 from experiments.analysis.hardware import from_cluster
 from experiments.analysis.step_time import inputs_from_point, predict
@@ -47,8 +50,10 @@ LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 # whole-shard step of before; at its default 4e7 a point has a new id, as its peak may differ.
 LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
                        "contiguous_memory_optimization": False, "number_checkpoints": None,
-                       "optimizer_bucket_size": None, "force_collectives": False}
-LATER_TRAIN_DEFAULTS = {"layer_spec": "local"}  # train.* likewise
+                       "optimizer_bucket_size": None, "force_collectives": False, "loss_scale": 0.0,
+                       "initial_scale_power": 16, "loss_scale_window": 1000, "min_loss_scale": 1.0, "hysteresis": 1,
+                       "consecutive_hysteresis": False}
+LATER_TRAIN_DEFAULTS = {"layer_spec": "local", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8}  # train.* likewise
 
 
 class ConfigError(ValueError):
@@ -158,13 +163,19 @@ def expand(cfg: DictConfig) -> list[Point]:
     except ValueError as e:
         raise ConfigError(str(e).replace("ZeroConfig.", "zero.")) from None
     cluster = OmegaConf.to_container(cfg.cluster)
+    deepspeed = _deepspeed(cfg)
+    if deepspeed is not None:
+        train, zero = _deepspeed_settings(deepspeed, overrides, train, zero)
     points, seen = [], set()
     for row in rows:
         _check_axes(row)
+        row_train = train
+        if deepspeed is not None:
+            row, row_train = _deepspeed_row(deepspeed, row, overrides, train)
         model = chosen_model if chosen_model and row["model"] == chosen_model["name"] else load_model(str(row["model"]))
         point = Point(experiment=exp.name, model=model, stage=row["stage"], gpus=row["gpus"],
-                      tp=row["tp"], micro_batch=row["micro_batch"], note=row.get("note", ""), train=train,
-                      zero=_zero_for(zero, row, train), cluster=cluster)
+                      tp=row["tp"], micro_batch=row["micro_batch"], note=row.get("note", ""), train=row_train,
+                      zero=_zero_for(zero, row, row_train), cluster=cluster)
         try:
             point.shape.check_tp(point.tp)
         except ValueError as e:
@@ -179,6 +190,69 @@ def expand(cfg: DictConfig) -> list[Point]:
     if cfg.launcher not in LAUNCHERS:
         raise ConfigError(f"launcher must be one of {list(LAUNCHERS)}, got {cfg.launcher!r}")
     return points
+
+
+_IGNORED_REPORTED: set[str] = set()  # DeepSpeed files whose ignored keys this process has printed
+
+
+def _deepspeed(cfg: DictConfig) -> DeepSpeedConfig | None:
+    """The sweep's deepspeed_config, read once; its ignored keys go to stderr once per file and
+    process (the preflight and the run both expand the same config)."""
+    path = cfg.get("deepspeed_config") or ""
+    if not path:
+        return None
+    try:
+        deepspeed = parse_deepspeed(path)
+    except DeepSpeedConfigError as e:
+        raise ConfigError(str(e)) from None
+    if deepspeed.ignored and deepspeed.source not in _IGNORED_REPORTED:
+        _IGNORED_REPORTED.add(deepspeed.source)
+        print(f"deepspeed_config {deepspeed.source}: ignored (no effect here): "
+              + "; ".join(f"{key} ({why})" for key, why in deepspeed.ignored.items()), file=sys.stderr)
+    return deepspeed
+
+
+def _agrees(name: str, given: Any, default: Any, value: Any, deepspeed_key: str, source: str) -> None:
+    """A value the command line set (not its default) must be the one the DeepSpeed JSON sets."""
+    if given != default and given != value:
+        raise ConfigError(f"{name}={given!r} contradicts deepspeed_config {source} ({deepspeed_key}: {value!r}); "
+                          "set it in one place")
+
+
+def _deepspeed_settings(deepspeed: DeepSpeedConfig, overrides: dict, train: dict, zero: dict) -> tuple[dict, dict]:
+    """train.* and zero.* with what the JSON sets (its precision, its optimizer's lr, betas, eps and
+    weight decay, its engine knobs); the command line's stage must be the JSON's."""
+    source, ds_zero = deepspeed.source, deepspeed.zero
+    for stage in overrides["stage"]:
+        _agrees("stage", stage, None, ds_zero.stage, "zero_optimization.stage", source)
+    sets = {"precision": (ds_zero.precision, DEEPSPEED_KEYS["precision"])}
+    if deepspeed.optimizer is not None:
+        sets.update({key: (deepspeed.optimizer[name], f"optimizer.params.{name}") for key, name in
+                     (("lr", "lr"), ("weight_decay", "weight_decay"), ("adam_betas", "betas"), ("adam_eps", "eps"))})
+    defaults = TrainSettings()
+    for key, (value, deepspeed_key) in sets.items():
+        _agrees(f"train.{key}", train[key], getattr(defaults, key), value, deepspeed_key, source)
+    knobs = {key: getattr(ds_zero, key) for key in DEEPSPEED_KEYS if key in zero}
+    zero_defaults = ZeroSettings()
+    for key, value in knobs.items():
+        _agrees(f"zero.{key}", zero[key], getattr(zero_defaults, key), value, DEEPSPEED_KEYS[key], source)
+    return dict(train, **{key: value for key, (value, _) in sets.items()}), dict(zero, **knobs)
+
+
+def _deepspeed_row(deepspeed: DeepSpeedConfig, row: dict, overrides: dict, train: dict) -> tuple[dict, dict]:
+    """A row at the JSON's stage, with its micro-batch and accumulation at the row's DP degree
+    (DeepSpeed's batch rule); a command-line micro_batch must be the JSON's."""
+    try:
+        micro, accum = deepspeed.batch_for(max(row["gpus"] // row["tp"], 1))
+    except DeepSpeedConfigError as e:
+        raise ConfigError(f"point ({row['model']}, {row['gpus']} GPUs, TP {row['tp']}): {e}") from None
+    if micro is not None and overrides["micro_batch"]:
+        _agrees("micro_batch", row["micro_batch"], None, micro, "train_micro_batch_size_per_gpu", deepspeed.source)
+    if accum is not None:
+        _agrees("train.grad_accum_steps", train["grad_accum_steps"], TrainSettings.grad_accum_steps, accum,
+                "gradient_accumulation_steps", deepspeed.source)
+        train = dict(train, grad_accum_steps=accum)
+    return dict(row, stage=deepspeed.zero.stage, micro_batch=micro or row["micro_batch"]), train
 
 
 def _check_zero_r(spec: dict) -> None:
@@ -253,6 +327,10 @@ def _check_train(train: DictConfig) -> dict:
             raise ConfigError(f"train.{key} must be a positive integer, got {t[key]!r}")
     if t["checkpoint_every"] < 0:
         raise ConfigError(f"train.checkpoint_every must be >= 0, got {t['checkpoint_every']!r}")
+    if len(t["adam_betas"]) != 2 or not all(0 <= b < 1 for b in t["adam_betas"]):
+        raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {t['adam_betas']!r}")
+    if not t["adam_eps"] > 0:
+        raise ConfigError(f"train.adam_eps must be > 0, got {t['adam_eps']!r}")
     if t["warmup_steps"] < 0:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {t['warmup_steps']!r}")
     if not t["timeout_s"] > 0:

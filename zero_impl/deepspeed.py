@@ -330,8 +330,13 @@ def _activation_checkpointing(top: _Block) -> dict:
     return out
 
 
-# ZeroConfig's keys in DeepSpeed's words, to name the DeepSpeed key when ZeroConfig refuses a value
-DEEPSPEED_KEYS = {"stage": "zero_optimization.stage", "optimizer_bucket_size": "zero_optimization.sub_group_size",
+# The ZeroConfig fields a DeepSpeed config decides (DeepSpeed's default where it is silent; the
+# accumulation only where it gives one), each with its DeepSpeed key
+DEEPSPEED_KEYS = {"stage": "zero_optimization.stage", "precision": "fp16.enabled / bf16.enabled",
+                  **{k: f"zero_optimization.{k}" for k in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                                                           "stage3_prefetch_bucket_size",
+                                                           "stage3_param_persistence_threshold")},
+                  "optimizer_bucket_size": "zero_optimization.sub_group_size",
                   "clip_grad_norm": "gradient_clipping", "grad_accum_steps": "gradient_accumulation_steps",
                   **{k: f"fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                                               "consecutive_hysteresis", "min_loss_scale")},
@@ -367,7 +372,7 @@ def parse_deepspeed(path_or_dict: str | Path | dict) -> DeepSpeedConfig:
                             **({"grad_accum_steps": accum} if accum is not None else {}))
     except ValueError as e:
         field = re.search(r"ZeroConfig\.(\w+)", str(e))
-        key = DEEPSPEED_KEYS.get(field.group(1), f"zero_optimization.{field.group(1)}") if field else source
+        key = DEEPSPEED_KEYS.get(field.group(1), source) if field else source
         raise DeepSpeedConfigError(key, re.sub(r"ZeroConfig\.\w+ ?", "", str(e))) from None
     return DeepSpeedConfig(zero=config, micro_batch=micro, train_batch_size=total, grad_accum_steps=accum,
                            optimizer=optimizer, ignored=ignored, source=source)

@@ -39,8 +39,9 @@ def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn
               {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
     config = zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
                                   **point.zero)
-    return zero_impl.initialize(model, config, optimizer=lambda g: torch.optim.AdamW(g, lr=t["lr"], betas=(0.9, 0.999),
-                                                                                    **adamw),
+    def adamw_over(g):
+        return torch.optim.AdamW(g, lr=t["lr"], betas=tuple(t["adam_betas"]), eps=t["adam_eps"], **adamw)
+    return zero_impl.initialize(model, config, optimizer=adamw_over,
                                 param_groups=groups, dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
 
 
