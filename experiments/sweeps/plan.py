@@ -17,8 +17,8 @@
    rests on the real code path, not a ledger.
 4. Rows: those that fit first (a simulated verdict over an analytic one), fastest first (tokens
    per second, the whole job's); then
-   the rest by peak, so a user sees why. Each row carries the sweep/train overrides that run it
-   and the sbatch line.
+   the rest by peak, so a user sees why. Each row carries the train.py overrides that run it
+   (the same point, point_id and all) and the sbatch line.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytic
 ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
           "Pa+cpu": {"partition_activations": True, "cpu_checkpointing": True}}
 CSV_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
-               "fits", "peak_gb", "peak_source", "limit_gb", "tflops_per_gpu_predicted", "tokens_per_s_predicted",
+               "fits", "peak_gb", "peak_source", "limit_gb", "states_gb", "activations_gb", "peak_phase",
+               "tflops_per_gpu_predicted", "tokens_per_s_predicted",
                "step_s_predicted", "dominant", "point_id", "overrides", "sbatch")
 
 
@@ -58,10 +59,14 @@ class Candidate:
     zero_r: str
     precision: str
     limit: float
-    analytic_peak: float
+    analytic: dict                 # points.predicted_memory_bytes: total and its parts
     step: st.StepTime | None
     simulated_peak: float | None = None
     simulation_error: str | None = None
+
+    @property
+    def analytic_peak(self) -> float:
+        return self.analytic["total"]
 
     @property
     def peak(self) -> float:
@@ -85,7 +90,8 @@ class Candidate:
 
 
 def tp_degrees(cfg: DictConfig, gpus_per_node: int) -> list[int]:
-    """TP degrees megatron can split the model by (heads and hidden), dividing the GPUs, within a node."""
+    """TP degrees megatron can split the model by (heads and hidden), dividing the GPUs, within
+    a node; of those, the ones `tps` lists when it is given."""
     from experiments.models.megatron_gpt import GPTShape
     m = cfg.model
     shape = GPTShape(m.layers, m.hidden, m.heads, m.seq_len, m.vocab_size)
@@ -95,7 +101,7 @@ def tp_degrees(cfg: DictConfig, gpus_per_node: int) -> list[int]:
             shape.check_tp(tp)
         except ValueError:
             continue
-        if cfg.gpus % tp == 0:
+        if cfg.gpus % tp == 0 and (cfg.tps is None or tp in cfg.tps):
             out.append(tp)
     return out
 
@@ -125,6 +131,9 @@ def check_plan_config(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be a non-empty list of {list(allowed)}, got {list(cfg[key])}")
     if not cfg.micro_batches or any(isinstance(v, bool) or v < 1 for v in cfg.micro_batches):
         raise ConfigError(f"micro_batches must be a non-empty list of positive integers, got {list(cfg.micro_batches)}")
+    if cfg.tps is not None and not tp_degrees(cfg, cluster["gpus_per_node"]):
+        raise ConfigError(f"tps={list(cfg.tps)}: none splits {cfg.model.name} (heads {cfg.model.heads}) over gpus={cfg.gpus} "
+                          f"within a node of {cluster['gpus_per_node']}")
     if cfg.system not in st.SYSTEMS:
         raise ConfigError(f"system must be one of {list(st.SYSTEMS)}, got {cfg.system!r}")
 
@@ -170,7 +179,7 @@ def price(points: list[tuple[Point, str]], system: str) -> list[Candidate]:
         limit = v["device_bytes"] - v["cuda_reserve_bytes"]
         hw = cluster_hardware(point.cluster)
         step = st.predict(st.point_inputs(point, system), hw, system) if hw and point.stage in st.SYSTEMS[system].stages else None
-        out.append(Candidate(point, zero_r, precision, limit, predicted_memory_bytes(point, precision)["total"], step))
+        out.append(Candidate(point, zero_r, precision, limit, predicted_memory_bytes(point, precision), step))
     return out
 
 
@@ -214,9 +223,9 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
 
 
 def overrides(c: Candidate) -> str:
-    """The overrides of train.py / sweep.py that run this candidate."""
+    """The overrides of train.py that run this candidate: the same point (point_id) as the plan's."""
     p = c.point
-    parts = [f"model={p.model['name']}", f"stage={p.stage}", f"gpus={p.gpus}", f"tp={p.tp}",
+    parts = [f"experiment_name={p.experiment}", f"model={p.model['name']}", f"stage={p.stage}", f"gpus={p.gpus}", f"tp={p.tp}",
              f"micro_batch={p.micro_batch}", f"cluster={p.cluster['name']}",
              f"train.recompute={str(p.train['recompute']).lower()}", f"train.grad_accum_steps={p.train['grad_accum_steps']}"]
     if p.train["precision"] != "auto":
@@ -248,6 +257,8 @@ def rows(candidates: list[Candidate]) -> list[dict]:
                     "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
                     "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
                     "peak_gb": round(c.peak / 1e9, 2), "limit_gb": round(c.limit / 1e9, 2),
+                    "states_gb": round(c.analytic["model_states"] / 1e9, 2),
+                    "activations_gb": round(c.analytic["activations"] / 1e9, 2), "peak_phase": c.analytic["peak_phase"],
                     "peak_source": "failed: " + c.simulation_error if c.simulation_error
                     else "simulated" if c.simulated_peak is not None else "analytic",
                     "tflops_per_gpu_predicted": round(step.tflops_per_gpu, 2) if step else None,
@@ -258,13 +269,19 @@ def rows(candidates: list[Candidate]) -> list[dict]:
     return out
 
 
+TABLE_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "recompute", "zero_r", "fits", "peak_gb",
+                 "peak_source", "states_gb", "activations_gb", "tflops_per_gpu_predicted", "tokens_per_s_predicted",
+                 "dominant")
+
+
+def table(plan_rows: list[dict]) -> list[str]:
+    """Rows as a Markdown table (TABLE_COLUMNS)."""
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    return lines + ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in TABLE_COLUMNS) + " |" for r in plan_rows]
+
+
 def markdown(plan_rows: list[dict], header: str, top: int) -> str:
-    """The best `top` rows that fit and the best `top` that do not, as Markdown tables."""
-    columns = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "recompute", "zero_r", "peak_gb",
-               "peak_source", "tflops_per_gpu_predicted", "tokens_per_s_predicted", "dominant")
-    def table(rs: list[dict]) -> list[str]:
-        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        return lines + ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rs]
+    """The best `top` rows that fit, the command of the best, and the `top` nearest that do not."""
     fit = [r for r in plan_rows if r["fits"]]
     misses = [r for r in plan_rows if not r["fits"]]
     out = [header, "", f"**Fits: {len(fit)} configurations; the best {min(top, len(fit))}**", ""]
@@ -279,12 +296,15 @@ def markdown(plan_rows: list[dict], header: str, top: int) -> str:
 
 
 def write_plan(plan_rows: list[dict], text: str, folder: Path) -> tuple[Path, Path]:
+    """plan.md (the printed plan), plan.csv (every row, every column) and plan_table.md (every
+    row as one Markdown table, which the docs paste from)."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "plan.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(plan_rows)
     (folder / "plan.md").write_text(text)
+    (folder / "plan_table.md").write_text("\n".join(table(plan_rows)) + "\n")
     return folder / "plan.md", folder / "plan.csv"
 
 
@@ -306,13 +326,14 @@ class ProgressBar:
 
 
 def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
-    """The plan's rows and its Markdown (module docstring); plan.md and plan.csv written under
-    results_dir/plan/<model>-<cluster>-g<gpus>/, the simulated records under its simulated/."""
+    """The plan's rows and its Markdown (module docstring); plan.md, plan.csv and plan_table.md
+    written under results_dir/plan/<name or model-cluster-g<gpus>>/, the simulated records under
+    its simulated/."""
     check_plan_config(cfg)
     began = time.perf_counter()
     candidates = price(candidate_points(cfg), cfg.system)
     cluster = candidates[0].point.cluster
-    folder = results_dir / "plan" / f"{cfg.model.name}-{cluster['name']}-g{cfg.gpus}"
+    folder = results_dir / "plan" / (cfg.name or f"{cfg.model.name}-{cluster['name']}-g{cfg.gpus}")
     print(f"plan: {len(candidates)} configurations of {cfg.model.name} on {cfg.gpus} GPUs of {cluster['name']} "
           f"({cluster['device_memory_gb']:g} GB, {cluster['cuda_reserve_gb']:g} GB reserved); "
           f"{sum(c.worth_simulating for c in candidates)} within {ANALYTIC_MARGIN:.0%} of the limit analytically",

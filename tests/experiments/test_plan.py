@@ -115,30 +115,44 @@ def test_bad_plan_input_is_one_line_naming_the_key():
     assert out.returncode == 2 and out.stderr.strip().splitlines() == ["error: gpus must be a positive integer, got 0"]
 
 
+def test_each_row_carries_the_overrides_and_sbatch_line_that_run_it():
+    cfg = plan_config("cluster=dgx2_v100", "gpus=32", "device_memory_gb=16", "tps=[2]", "stages=[1]",
+                      "micro_batches=[4]", "recompute=[true]", "global_batch=64")
+    rows = plan.rows(plan.price(plan.candidate_points(cfg), "zero_repro"))
+    assert {r["tp"] for r in rows} == {2} and {r["zero_r"] for r in rows} == {"-", "Pa", "Pa+cpu"}
+    pa_cpu = next(r for r in rows if r["zero_r"] == "Pa+cpu")
+    assert pa_cpu["overrides"] == ("experiment_name=plan model=plan_test stage=1 gpus=32 tp=2 micro_batch=4 cluster=dgx2_v100 "
+                                   "train.recompute=true train.grad_accum_steps=1 zero.partition_activations=true "
+                                   "zero.cpu_checkpointing=true cluster.device_memory_gb=16")
+    assert pa_cpu["sbatch"] == f"sbatch --nodes=2 --gpus-per-node=16 slurm/run_point.sh {pa_cpu['overrides']}"
+    with pytest.raises(ConfigError, match=r"tps=\[5\]"):
+        plan.check_plan_config(plan_config("tps=[5]"))
+
+
 @pytest.mark.slow
-def test_the_top_row_fits_under_simulation_and_agrees_with_predict_and_train(tmp_path):
-    """The whole app: its best row, simulated by plan.py, is the point train.py simulate=true
-    measures, at the speed predict.py gives for the same overrides."""
-    args = [*SHAPE, "cluster=dgx_h100", "gpus=4", "micro_batches=[1,8,64]", "stages=[1,3]", "device_memory_gb=0.05",
-            "cluster.cuda_reserve_gb=0", "confirm=1", "max_simulations=3", "simulate_workers=2", f"results_dir={tmp_path}"]
+def test_gpt_7b_on_a_v100_node_top_row_fits_simulated_and_agrees_with_predict_and_train(tmp_path):
+    """The issue's case, the whole app: its best row, simulated by plan.py, is the point that
+    train.py simulate=true measures, at the speed predict.py gives for the same overrides."""
+    args = ["model=gpt_7b", "cluster=dgx2_v100", "gpus=8", "confirm=1", "max_simulations=4", f"results_dir={tmp_path}"]
     out = subprocess.run([sys.executable, "experiments/plan.py", *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     assert "confirmed to fit" in out.stderr   # the progress bar
-    with open(tmp_path / "plan" / "plan_test-dgx_h100-g4" / "plan.csv") as f:
+    folder = tmp_path / "plan" / "gpt_7b-dgx2_v100-g8"
+    with open(folder / "plan.csv") as f:
         rows = list(csv.DictReader(f))
     assert {"stage", "tp", "micro_batch", "fits", "peak_gb", "tflops_per_gpu_predicted"} <= set(rows[0])
     top = rows[0]
-    assert top["fits"] == "True" and top["peak_source"] == "simulated"
-    assert any(r["fits"] == "False" for r in rows)   # the ones that do not fit are listed too
-    assert top["overrides"] in out.stdout and top["sbatch"].startswith("sbatch --nodes=1 --gpus-per-node=4 slurm/run_point.sh")
-    extra = [a for a in top["overrides"].split() if not a.startswith("model=")] + SHAPE[1:] + ["model.name=plan_test"]
-    predicted = subprocess.run([sys.executable, "experiments/predict.py", *extra, "format=json"], cwd=REPO,
-                               capture_output=True, text=True, timeout=120)
+    assert top["fits"] == "True" and top["peak_source"] == "simulated" and float(top["peak_gb"]) <= 31.0
+    assert any(r["fits"] == "False" for r in rows)   # the ones that do not fit are listed too, with their peak
+    assert top["overrides"] in out.stdout and (folder / "plan.md").read_text() in out.stdout
+    point = [a for a in top["overrides"].split() if not a.startswith("experiment_name=")]   # predict.py's axes
+    predicted = subprocess.run([sys.executable, "experiments/predict.py", *point, "format=json"],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
     assert predicted.returncode == 0, predicted.stderr
     assert round(json.loads(predicted.stdout)["tflops_per_gpu_predicted"], 2) == float(top["tflops_per_gpu_predicted"])
-    simulated = subprocess.run([sys.executable, "experiments/train.py", *extra, "simulate=true", f"results_dir={tmp_path}/t"],
-                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    simulated = subprocess.run([sys.executable, "experiments/train.py", *top["overrides"].split(), "simulate=true",
+                                f"results_dir={tmp_path}/t"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert simulated.returncode == 0, simulated.stderr
     [record] = [json.loads(p.read_text()) for p in (tmp_path / "t").rglob("simulated/*.json")]
     assert record["point_id"] == top["point_id"]
