@@ -69,6 +69,13 @@ class ZeroSettings:
     stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
     stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
     force_collectives: bool = ZeroConfig.force_collectives  # collectives even at world 1 (make gpu-check)
+    # fp16's loss scaling (a DeepSpeed JSON's fp16 block sets them; DeepSpeed's hysteresis is 2)
+    loss_scale: float = ZeroConfig.loss_scale                    # 0: dynamic
+    initial_scale_power: int = ZeroConfig.initial_scale_power
+    loss_scale_window: int = ZeroConfig.loss_scale_window
+    min_loss_scale: float = ZeroConfig.min_loss_scale
+    hysteresis: int = ZeroConfig.hysteresis
+    consecutive_hysteresis: bool = ZeroConfig.consecutive_hysteresis
     # ZeRO-R (zero_impl/activations.py); an experiment's point sets them with `zero_r: C1`...`C5`
     partition_activations: bool = ZeroConfig.partition_activations    # Pa
     cpu_checkpointing: bool = ZeroConfig.cpu_checkpointing            # Pa+cpu
@@ -88,6 +95,8 @@ class TrainSettings:
     steps: int = 5
     lr: float = 1.5e-4
     weight_decay: float = 0.01
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
     seed: int = 1234
     timeout_s: float = 600.0      # per point, start-up included
     fault: str = "none"           # none | raise, hang (rank 0) | raise_last_rank, hang_last_rank | slow (+1 s a step)
@@ -159,6 +168,7 @@ class SweepConfig:
     simulate_rank: int = 0    # the rank simulate=true plays
     simulate_workers: int = 0  # points simulated at once (0: the CPU count)
     simulate_largest: bool = False  # with simulate: search each row's model family for the most layers that fit (experiments/sweeps/largest.py)
+    deepspeed_config: str = ""      # a DeepSpeed JSON: its stage, batch, precision, optimizer and engine knobs (zero_impl.deepspeed)
 
 
 @dataclass
@@ -177,6 +187,7 @@ class TrainConfig:
     results_dir: str = "results/runs"
     simulate: bool = False    # play rank simulate_rank of the point's full world on fake tensors, in this process
     simulate_rank: int = 0
+    deepspeed_config: str = ""  # a DeepSpeed JSON: its stage, batch, precision, optimizer and engine knobs (zero_impl.deepspeed)
 
 
 @dataclass
