@@ -232,7 +232,7 @@ def _deepspeed_settings(deepspeed: DeepSpeedConfig, overrides: dict, train: dict
     defaults = TrainSettings()
     for key, (value, deepspeed_key) in sets.items():
         _agrees(f"train.{key}", train[key], getattr(defaults, key), value, deepspeed_key, source)
-    knobs = {key: getattr(ds_zero, key) for key in DEEPSPEED_KEYS if key in zero}
+    knobs = {key: getattr(ds_zero, key) for key in deepspeed.decides if key in zero}
     zero_defaults = ZeroSettings()
     for key, value in knobs.items():
         _agrees(f"zero.{key}", zero[key], getattr(zero_defaults, key), value, DEEPSPEED_KEYS[key], source)

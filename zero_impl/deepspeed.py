@@ -36,7 +36,10 @@ class DeepSpeedConfig:
     the batch keys as given (None: absent; `batch_for` applies DeepSpeed's rule at a DP degree),
     the AdamW settings ({"type": "adamw", "lr", "betas", "eps", "weight_decay"}, FusedAdam's
     defaults for those it omits; None: no optimizer block), the keys it has that have no effect
-    here (dotted key -> why) and where it came from."""
+    here (dotted key -> why) and where it came from. `decides`: the ZeroConfig fields the JSON
+    sets, by a value or by DeepSpeed's default: the sizes, overlap, clipping and precision always,
+    the accumulation where it gives one, the loss scaling with fp16 on, ZeRO-R's switches with an
+    activation_checkpointing block (without one it says nothing about checkpoints)."""
 
     zero: ZeroConfig
     micro_batch: int | None
@@ -45,6 +48,7 @@ class DeepSpeedConfig:
     optimizer: dict | None
     ignored: dict[str, str]
     source: str
+    decides: tuple[str, ...] = ()
 
     def batch_for(self, dp: int) -> tuple[int | None, int | None]:
         """(micro-batch per GPU, accumulation steps) at data-parallel degree `dp`, by DeepSpeed's
@@ -367,12 +371,13 @@ def parse_deepspeed(path_or_dict: str | Path | dict) -> DeepSpeedConfig:
     top.done()
     if total is not None and total % ((micro or 1) * (accum or 1)):  # wrong at any DP degree
         raise _batch_error(total, micro, accum, "DP")
+    decided = {"precision": precision, "clip_grad_norm": clip, **scaling, **zero,
+               **({"grad_accum_steps": accum} if accum is not None else {})}
     try:
-        config = ZeroConfig(precision=precision, clip_grad_norm=clip, **scaling, **zero,
-                            **({"grad_accum_steps": accum} if accum is not None else {}))
+        config = ZeroConfig(**decided)
     except ValueError as e:
         field = re.search(r"ZeroConfig\.(\w+)", str(e))
         key = DEEPSPEED_KEYS.get(field.group(1), source) if field else source
         raise DeepSpeedConfigError(key, re.sub(r"ZeroConfig\.\w+ ?", "", str(e))) from None
     return DeepSpeedConfig(zero=config, micro_batch=micro, train_batch_size=total, grad_accum_steps=accum,
-                           optimizer=optimizer, ignored=ignored, source=source)
+                           optimizer=optimizer, ignored=ignored, source=source, decides=tuple(decided))

@@ -116,6 +116,20 @@ def test_the_json_gives_each_point_its_batch_by_deepspeeds_rule(compose, tmp_pat
         expand(compose("model=tiny_s", "gpus=[8]", "dry_run=true", f"deepspeed_config={config}"))
 
 
+def test_zero_r_switches_stay_the_command_lines_without_an_activation_checkpointing_block(compose, tmp_path):
+    """A JSON without the block says nothing about checkpoints (plan.py adds Pa per candidate); one
+    with it decides them, and a command line that says otherwise is an error."""
+    silent = write(tmp_path, ZERO2)
+    [point] = expand(compose("model=tiny_s", "gpus=[2]", "tp=[2]", "dry_run=true", "zero.partition_activations=true",
+                             f"deepspeed_config={silent}"))
+    assert point.zero["partition_activations"] is True and point.stage == 2
+    speaks = write(tmp_path, dict(ZERO2, activation_checkpointing={"partition_activations": False}), "pa.json")
+    with pytest.raises(ConfigError, match=r"zero.partition_activations=True contradicts deepspeed_config .*pa.json "
+                                          r"\(activation_checkpointing.partition_activations: False\)"):
+        expand(compose("model=tiny_s", "gpus=[2]", "tp=[2]", "dry_run=true", "zero.partition_activations=true",
+                       f"deepspeed_config={speaks}"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="train.precision auto hashes as auto-gpu on a GPU machine")
 def test_earlier_point_ids_are_unchanged(compose):
     """Ids of reference records (results/reference/runs/fig2/simulated/), from before the

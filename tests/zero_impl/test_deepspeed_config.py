@@ -68,6 +68,8 @@ def test_docs_example_takes_deepspeeds_defaults():
     assert ds.optimizer == {"type": "adamw", "lr": 0.00015, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
     assert (ds.micro_batch, ds.train_batch_size, ds.grad_accum_steps, ds.ignored) == (None, 8, 1, {})
     assert ds.batch_for(2) == (4, 1) and ds.batch_for(8) == (1, 1)
+    assert {"stage", "precision", "reduce_bucket_size", "optimizer_bucket_size", "clip_grad_norm", "hysteresis",
+            "grad_accum_steps"} <= set(ds.decides) and "partition_activations" not in ds.decides
 
 
 def test_megatron_zero2_example(tmp_path):
@@ -100,6 +102,8 @@ def test_zero3_example():
                                "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device"}
     assert "stage3_max_live_units" in ds.ignored["zero_optimization.stage3_max_live_parameters"]
     assert ds.batch_for(4) == (4, 2)  # no train_batch_size: DeepSpeed computes it, nothing to check
+    # bf16: the loss scaling is not the JSON's to decide; no activation_checkpointing block: nor ZeRO-R
+    assert not {"hysteresis", "loss_scale", "partition_activations", "cpu_checkpointing"} & set(ds.decides)
 
 
 def test_bf16_zero1_example_maps_zero_r():
@@ -111,6 +115,7 @@ def test_bf16_zero1_example_maps_zero_r():
     # torch_adam: DeepSpeed builds torch.optim.AdamW, given weight decay 0.01 here
     assert ds.optimizer == {"type": "adamw", "lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.01}
     assert ds.batch_for(4) == (8, 2)  # 64 = 8 x accumulation x 4
+    assert {"partition_activations", "number_checkpoints"} <= set(ds.decides) and "grad_accum_steps" not in ds.decides
     assert set(ds.ignored) == {"activation_checkpointing.profile",
                                "activation_checkpointing.synchronize_checkpoint_boundary",
                                "optimizer.params.torch_adam"}
