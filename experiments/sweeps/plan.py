@@ -40,6 +40,7 @@ from experiments.run.fake import simulated_precision
 from experiments.run.record import simulated_path, verdict
 from experiments.schema import SweepConfig
 from experiments.sweeps.simulated import run_simulated
+from zero_impl import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
 
 ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytically: the analytic model's error
 ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
@@ -63,6 +64,7 @@ class Candidate:
     step: st.StepTime | None
     simulated_peak: float | None = None
     simulation_error: str | None = None
+    deepspeed_config: str = ""     # the JSON the plan was made under: the printed commands pass it on
 
     @property
     def analytic_peak(self) -> float:
@@ -138,15 +140,38 @@ def check_plan_config(cfg: DictConfig) -> None:
         raise ConfigError(f"system must be one of {list(st.SYSTEMS)}, got {cfg.system!r}")
 
 
+def _deepspeed(cfg: DictConfig) -> DeepSpeedConfig | None:
+    if not cfg.deepspeed_config:
+        return None
+    try:
+        return parse_deepspeed(cfg.deepspeed_config)
+    except DeepSpeedConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
-    """Every configuration (module docstring, 1.) as a validated Point, with its ZeRO-R name."""
+    """Every configuration (module docstring, 1.) as a validated Point, with its ZeRO-R name. A
+    DeepSpeed JSON's batch keys keep the TP degrees whose DP its batch rule divides, and its
+    activation_checkpointing block the ZeRO-R configuration."""
     cluster = _cluster(cfg)
     tps = tp_degrees(cfg, cluster["gpus_per_node"])
+    deepspeed = _deepspeed(cfg)
+    if deepspeed is not None:
+        if cfg.global_batch is not None and (deepspeed.train_batch_size or deepspeed.grad_accum_steps):
+            raise ConfigError(f"global_batch={cfg.global_batch} and deepspeed_config {deepspeed.source}'s "
+                              "train_batch_size / gradient_accumulation_steps: set the batch in one place")
+        tps = [tp for tp in tps if _batch_rule_holds(deepspeed, cfg.gpus // tp)]
+        if not tps:
+            raise ConfigError(f"deepspeed_config {deepspeed.source}: its train_batch_size divides no DP degree of "
+                              f"{cfg.gpus} GPUs with TP in {tp_degrees(cfg, cluster['gpus_per_node'])}")
     out: dict[str, tuple[Point, str]] = {}
     for recompute in cfg.recompute:
         for zero_r, switches in ZERO_R.items():
             if switches and not recompute:
                 continue  # Pa and Pa+cpu partition the recomputation's checkpoints
+            if deepspeed is not None and any(getattr(deepspeed.zero, k) != switches.get(k, False)
+                                             for k in ("partition_activations", "cpu_checkpointing")):
+                continue  # the JSON's activation_checkpointing block (DeepSpeed's defaults: off) decides
             sweep = OmegaConf.merge(OmegaConf.structured(SweepConfig), {
                 "model": cfg.model, "cluster": cluster, "dry_run": True,
                 **({"deepspeed_config": cfg.deepspeed_config} if cfg.deepspeed_config else {}),
@@ -168,6 +193,14 @@ def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
         raise ConfigError(f"no configuration of {cfg.model.name} on {cfg.gpus} GPUs gives global_batch={cfg.global_batch} "
                           f"(micro-batch x DP must divide it; micro_batches={list(cfg.micro_batches)})")
     return list(out.values())
+
+
+def _batch_rule_holds(deepspeed: DeepSpeedConfig, dp: int) -> bool:
+    try:
+        deepspeed.batch_for(dp)
+    except DeepSpeedConfigError:
+        return False
+    return True
 
 
 def price(points: list[tuple[Point, str]], system: str) -> list[Candidate]:
@@ -230,10 +263,12 @@ def overrides(c: Candidate) -> str:
              f"train.recompute={str(p.train['recompute']).lower()}", f"train.grad_accum_steps={p.train['grad_accum_steps']}"]
     if p.train["precision"] != "auto":
         parts.append(f"train.precision={p.train['precision']}")
-    parts += [f"zero.{k}=true" for k in ZERO_R[c.zero_r]]
+    parts += [f"zero.{k}=true" for k in ZERO_R[c.zero_r] if not c.deepspeed_config]  # else the JSON says it
     for key in ("device_memory_gb", "gpus_per_node"):
         if p.cluster.get(key) is not None and p.cluster.get(key) != _profile_value(p.cluster["name"], key):
             parts.append(f"cluster.{key}={p.cluster[key]:g}")
+    if c.deepspeed_config:
+        parts.append(f"deepspeed_config={c.deepspeed_config}")
     return " ".join(parts)
 
 
@@ -327,11 +362,14 @@ class ProgressBar:
 
 def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
     """The plan's rows and its Markdown (module docstring); plan.md, plan.csv and plan_table.md
-    written under results_dir/plan/<name or model-cluster-g<gpus>>/, the simulated records under
-    its simulated/."""
+    written under results_dir/plan/<name or model-cluster-g<gpus>>/, the simulated records
+    where train.py simulate=true writes the same points', results_dir/plan/simulated/ (an
+    existing record of a point is reused)."""
     check_plan_config(cfg)
     began = time.perf_counter()
     candidates = price(candidate_points(cfg), cfg.system)
+    for c in candidates:
+        c.deepspeed_config = cfg.deepspeed_config
     cluster = candidates[0].point.cluster
     folder = results_dir / "plan" / (cfg.name or f"{cfg.model.name}-{cluster['name']}-g{cfg.gpus}")
     print(f"plan: {len(candidates)} configurations of {cfg.model.name} on {cfg.gpus} GPUs of {cluster['name']} "
@@ -339,10 +377,11 @@ def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
           f"{sum(c.worth_simulating for c in candidates)} within {ANALYTIC_MARGIN:.0%} of the limit analytically",
           file=sys.stderr)
     bar = ProgressBar(cfg.max_simulations, cfg.confirm)
-    ran = confirm(candidates, folder, wanted=cfg.confirm, max_simulations=cfg.max_simulations,
+    ran = confirm(candidates, results_dir / "plan", wanted=cfg.confirm, max_simulations=cfg.max_simulations,
                   workers=cfg.simulate_workers or _cpus(), rank=cfg.simulate_rank, progress=bar)
     bar.close()
     plan_rows = rows(candidates)
+    reused = sum(c.simulated_peak is not None or c.simulation_error is not None for c in candidates) - ran
     params = parameter_count(candidates[0].point.shape, 1)
     hw = cluster_hardware(cluster)
     speed = (f"speed predicted for system {cfg.system} on {hw.name} (analysis/step_time.py)" if hw else
@@ -350,7 +389,9 @@ def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
     header = (f"**Plan: {cfg.model.name} ({params / 1e9:.2f}B parameters) on {cfg.gpus} GPUs of {cluster['name']}**\n\n"
               f"{len(candidates)} configurations; limit {candidates[0].limit / 1e9:.2f} GB per GPU for tensors "
               f"({cluster['device_memory_gb']:g} GB less {cluster['cuda_reserve_gb']:g} GB CUDA reserve); "
-              f"{ran} simulated at full world size in {time.perf_counter() - began:.0f} s; {speed}.")
+              f"{ran + reused} simulated at full world size"
+              + (f" ({reused} of them records of earlier plans)" if reused else "")
+              + f", in {time.perf_counter() - began:.0f} s; {speed}.")
     text = markdown(plan_rows, header, cfg.top)
     md, csv_path = write_plan(plan_rows, text, folder)
     return plan_rows, text + f"\nwritten: {md}, {csv_path}\n"

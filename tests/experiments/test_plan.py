@@ -129,6 +129,22 @@ def test_each_row_carries_the_overrides_and_sbatch_line_that_run_it():
         plan.check_plan_config(plan_config("tps=[5]"))
 
 
+def test_a_deepspeed_json_fixes_what_it_sets_and_the_printed_commands_pass_it_on():
+    json_path = str(REPO / "conf" / "deepspeed" / "zero2_fp16.json")   # ZeRO-2, micro-batch 4, fp16, no Pa
+    cfg = plan_config("gpus=6", "gpus_per_node=4", f"deepspeed_config={json_path}")
+    found = plan.candidate_points(cfg)
+    assert {(p.stage, p.micro_batch, p.train["precision"], z) for p, z in found} == {(2, 4, "fp16", "-")}
+    assert {p.tp for p, _ in found} == {1, 2, 3} and {p.train["recompute"] for p, _ in found} == {True, False}
+    assert {p.zero["reduce_bucket_size"] for p, _ in found} == {500_000_000}
+    assert {tuple(p.train["adam_betas"]) for p, _ in found} == {(0.9, 0.95)}
+    candidates = plan.price(found, "zero_repro")
+    for c in candidates:
+        c.deepspeed_config = json_path
+    assert all(r["overrides"].endswith(f"deepspeed_config={json_path}") for r in plan.rows(candidates))
+    with pytest.raises(ConfigError, match="set the batch in one place"):
+        plan.candidate_points(plan_config("gpus=4", f"deepspeed_config={json_path}", "global_batch=64"))
+
+
 @pytest.mark.slow
 def test_gpt_7b_on_a_v100_node_top_row_fits_simulated_and_agrees_with_predict_and_train(tmp_path):
     """The issue's case, the whole app: its best row, simulated by plan.py, is the point that
