@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test test-matrix run bench calibrate gpu-check reference compare clean
+.PHONY: setup test test-matrix run bench calibrate gpu-check reference reference-plans compare clean
 
 setup: $(STAMP)
 
@@ -56,7 +56,19 @@ reference: $(STAMP)
 	for e in $(sort $(SIMULATED) $(SEARCHED)); do \
 	  $(BIN)/python experiments/report.py experiment=$$e results_dir=results/reference/runs out_dir=results/reference/reports; done
 	$(BIN)/python experiments/report.py results_dir=results/reference/runs out_dir=results/reference/reports
+	$(MAKE) reference-plans
 	$(BIN)/python -m experiments.reports.pasted
+
+# docs/plan.md's worked example: the plans of a 7B GPT on one 8-GPU node (V100 32 GB, H100 80 GB),
+# whole, at TP 1 with recomputation (each stage's micro-batches, all simulated), and under the
+# seed's DeepSpeed ZeRO-2 JSON (about 8 minutes on 2 cores).
+PLAN := $(BIN)/python experiments/plan.py model=gpt_7b gpus=8 results_dir=results/reference/runs
+reference-plans: $(STAMP)
+	rm -rf results/reference/runs/plan
+	@set -e; for c in dgx2_v100 dgx_h100; do \
+	  $(PLAN) cluster=$$c; \
+	  $(PLAN) cluster=$$c tps=[1] recompute=[true] confirm=28 max_simulations=28 name=gpt_7b-$$c-g8-tp1; done
+	$(PLAN) cluster=dgx2_v100 deepspeed_config=conf/deepspeed/zero2_fp16.json name=gpt_7b-dgx2_v100-g8-ds_zero2
 
 # Optional: DeepSpeed as a comparison peer for the benchmarks and tests.
 compare: $(STAMP)

@@ -170,8 +170,9 @@ def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
             if switches and not recompute:
                 continue  # Pa and Pa+cpu partition the recomputation's checkpoints
             if deepspeed is not None and any(getattr(deepspeed.zero, k) != switches.get(k, False)
-                                             for k in ("partition_activations", "cpu_checkpointing")):
-                continue  # the JSON's activation_checkpointing block (DeepSpeed's defaults: off) decides
+                                             for k in ("partition_activations", "cpu_checkpointing")
+                                             if k in deepspeed.decides):
+                continue  # the JSON's activation_checkpointing block decides ZeRO-R (no block: the plan does)
             sweep = OmegaConf.merge(OmegaConf.structured(SweepConfig), {
                 "model": cfg.model, "cluster": cluster, "dry_run": True,
                 **({"deepspeed_config": cfg.deepspeed_config} if cfg.deepspeed_config else {}),

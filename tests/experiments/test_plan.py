@@ -129,11 +129,17 @@ def test_each_row_carries_the_overrides_and_sbatch_line_that_run_it():
         plan.check_plan_config(plan_config("tps=[5]"))
 
 
-def test_a_deepspeed_json_fixes_what_it_sets_and_the_printed_commands_pass_it_on():
-    json_path = str(REPO / "conf" / "deepspeed" / "zero2_fp16.json")   # ZeRO-2, micro-batch 4, fp16, no Pa
+def test_a_deepspeed_json_fixes_what_it_sets_and_the_printed_commands_pass_it_on(tmp_path):
+    json_path = str(REPO / "conf" / "deepspeed" / "zero2_fp16.json")   # ZeRO-2, micro-batch 4, fp16
     cfg = plan_config("gpus=6", "gpus_per_node=4", f"deepspeed_config={json_path}")
     found = plan.candidate_points(cfg)
-    assert {(p.stage, p.micro_batch, p.train["precision"], z) for p, z in found} == {(2, 4, "fp16", "-")}
+    assert {(p.stage, p.micro_batch, p.train["precision"]) for p, _ in found} == {(2, 4, "fp16")}
+    assert {z for _, z in found} == {"-", "Pa", "Pa+cpu"}   # it has no activation_checkpointing block
+    blocked = tmp_path / "pa.json"
+    blocked.write_text(json.dumps({**json.loads(open(json_path).read()),
+                                   "activation_checkpointing": {"partition_activations": True}}))
+    assert {z for _, z in plan.candidate_points(plan_config("gpus=6", "gpus_per_node=4",
+                                                            f"deepspeed_config={blocked}"))} == {"Pa"}
     assert {p.tp for p, _ in found} == {1, 2, 3} and {p.train["recompute"] for p, _ in found} == {True, False}
     assert {p.zero["reduce_bucket_size"] for p, _ in found} == {500_000_000}
     assert {tuple(p.train["adam_betas"]) for p, _ in found} == {(0.9, 0.95)}
