@@ -50,8 +50,9 @@ def _columns(value: str, names: list[str], path: str) -> list[str]:
 
 def render(path: str, options: str = "") -> str:
     """The body a block pastes: the file itself, or a Markdown table's chosen columns and rows
-    (options separated by "; ": columns=a,b,c in that order; where=column:value, repeatable,
-    keeps the rows that match; sort=a,b orders the rows by those columns)."""
+    (options separated by "; ", applied in order: columns=a,b,c in that order; where=column:value,
+    repeatable, keeps the rows that match; sort=a,b orders the rows by those columns; top=N keeps
+    the first N rows)."""
     text = (REPO / path).read_text()
     opts = [o.strip().split("=", 1) for o in options.split(";") if o.strip()]
     if not opts:
@@ -68,8 +69,10 @@ def render(path: str, options: str = "") -> str:
             table = [row for row in table if row.get(column) == wanted]
         elif key == "sort":
             table.sort(key=lambda row: [_order(row[c]) for c in value.split(",")])
+        elif key == "top":
+            table = table[:int(value)]
         else:
-            raise ValueError(f"unknown option {key!r} of a generated block from {path} (columns=, where=, sort=)")
+            raise ValueError(f"unknown option {key!r} of a generated block from {path} (columns=, where=, sort=, top=)")
     lines = ["| " + " | ".join(keep) + " |", "|" + "---|" * len(keep)]
     lines += ["| " + " | ".join(row[c] for c in keep) + " |" for row in table]
     return "\n".join(lines) + "\n"

@@ -140,6 +140,13 @@ def check_plan_config(cfg: DictConfig) -> None:
         raise ConfigError(f"system must be one of {list(st.SYSTEMS)}, got {cfg.system!r}")
 
 
+def experiment_name(cluster: dict) -> str:
+    """The plan's points' experiment, per cluster: a point's id leaves the cluster out, and
+    "auto" precision resolves by it (fp16 on V100, bf16 after), so a V100 plan's simulated
+    record must never stand for an H100's. train.py writes the same folder for the same point."""
+    return f"plan_{cluster['name']}"
+
+
 def _deepspeed(cfg: DictConfig) -> DeepSpeedConfig | None:
     if not cfg.deepspeed_config:
         return None
@@ -178,7 +185,7 @@ def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
                 **({"deepspeed_config": cfg.deepspeed_config} if cfg.deepspeed_config else {}),
                 "train": OmegaConf.merge(cfg.train, {"recompute": recompute}),
                 "zero": OmegaConf.merge(cfg.zero, switches),
-                "experiment": {"name": "plan", "grid": {
+                "experiment": {"name": experiment_name(cluster), "grid": {
                     "model": [cfg.model.name], "stage": list(cfg.stages), "gpus": [cfg.gpus],
                     "tp": [tp for tp in tps if tp > 1 or not switches], "micro_batch": list(cfg.micro_batches)}}})
             if not sweep.experiment.grid.tp:
@@ -239,7 +246,7 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
         for c in batch:
             record = records.read_record(simulated_path(results_dir, c.point))
             if record and record.get("simulated_rank") == rank and record.get("status") in ("ok", "oom") \
-                    and record.get("memory", {}).get("peak_bytes"):
+                    and record.get("precision") == c.precision and record.get("memory", {}).get("peak_bytes"):
                 c.simulated_peak = float(record["memory"]["peak_bytes"])
             else:
                 todo.append(c)
@@ -364,8 +371,8 @@ class ProgressBar:
 def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
     """The plan's rows and its Markdown (module docstring); plan.md, plan.csv and plan_table.md
     written under results_dir/plan/<name or model-cluster-g<gpus>>/, the simulated records
-    where train.py simulate=true writes the same points', results_dir/plan/simulated/ (an
-    existing record of a point is reused)."""
+    where train.py simulate=true writes the same points', results_dir/plan_<cluster>/simulated/
+    (an existing record of a point is reused)."""
     check_plan_config(cfg)
     began = time.perf_counter()
     candidates = price(candidate_points(cfg), cfg.system)
@@ -378,7 +385,7 @@ def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
           f"{sum(c.worth_simulating for c in candidates)} within {ANALYTIC_MARGIN:.0%} of the limit analytically",
           file=sys.stderr)
     bar = ProgressBar(cfg.max_simulations, cfg.confirm)
-    ran = confirm(candidates, results_dir / "plan", wanted=cfg.confirm, max_simulations=cfg.max_simulations,
+    ran = confirm(candidates, results_dir / experiment_name(cluster), wanted=cfg.confirm, max_simulations=cfg.max_simulations,
                   workers=cfg.simulate_workers or _cpus(), rank=cfg.simulate_rank, progress=bar)
     bar.close()
     plan_rows = rows(candidates)

@@ -49,7 +49,9 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
     todo = []
     for point in points:
         existing = records.read_record(simulated_path(results_dir, point))
-        if existing and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank and not force:
+        # a point's id leaves its cluster out, and "auto" precision resolves by it: same cluster only
+        same_cluster = existing and existing.get("config", {}).get("cluster", {}).get("name") == point.cluster["name"]
+        if same_cluster and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank and not force:
             print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
         else:
             todo.append(point)

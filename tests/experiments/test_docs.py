@@ -48,6 +48,8 @@ def test_pasted_blocks_select_columns_and_rows():
     assert body.splitlines() == ["| zero_r | simulated_max_layers |", "|---|---|", f"| C4 | {c4} |"]
     with pytest.raises(ValueError, match="no column 'nope'"):
         pasted.render("results/reference/reports/fig6/largest.md", "columns=nope")
+    first_two = pasted.render("results/reference/reports/fig6/largest.md", "columns=zero_r; sort=zero_r; top=2")
+    assert first_two.splitlines()[2:] == ["| C1 |", "| C2 |"]
 
 
 def test_reference_scorecard_is_what_the_reference_records_give(reference_records):
@@ -103,7 +105,9 @@ QUANTITY = re.compile(r"(?<![\w.])(\d+\.\d+) ?(GB(?!/)|MB|B\b|TFLOPs|PFLOPs|ms\b
 
 
 def reference_numbers() -> list[float]:
-    text = " ".join(p.read_text() for p in (REFERENCE / "reports").rglob("*.md"))
+    """The reports' numbers, and the reference plans' (make reference-plans: docs/plan.md)."""
+    files = [*(REFERENCE / "reports").rglob("*.md"), *(REFERENCE / "runs" / "plan").glob("*/*.md")]
+    text = " ".join(p.read_text() for p in files)
     return [float(n) for n in re.findall(r"(?<![\w.])\d+\.\d+|\d+", text)]
 
 

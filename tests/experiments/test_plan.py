@@ -42,6 +42,15 @@ def test_candidates_span_stage_tp_micro_batch_recompute_and_zero_r():
         assert point.cluster["gpus_per_node"] == 4 and point.train["grad_accum_steps"] == 1
 
 
+def test_a_v100_plans_points_are_not_an_h100_plans():
+    """A point's id leaves its cluster out, and auto precision resolves by it (fp16 on V100,
+    bf16 on H100): the plans' points differ by experiment, so no simulated record is reused
+    across clusters."""
+    ids = [{p.point_id for p, _ in plan.candidate_points(plan_config(f"cluster={c}", "gpus=4", "micro_batches=[2]"))}
+           for c in ("dgx2_v100", "dgx_h100")]
+    assert ids[0] and not ids[0] & ids[1]
+
+
 def test_a_fixed_global_batch_sets_accumulation_and_drops_what_does_not_divide():
     cfg = plan_config("gpus=6", "gpus_per_node=4", "micro_batches=[1,2,4]", "global_batch=12", "stages=[2]",
                       "recompute=[true]")
@@ -121,7 +130,7 @@ def test_each_row_carries_the_overrides_and_sbatch_line_that_run_it():
     rows = plan.rows(plan.price(plan.candidate_points(cfg), "zero_repro"))
     assert {r["tp"] for r in rows} == {2} and {r["zero_r"] for r in rows} == {"-", "Pa", "Pa+cpu"}
     pa_cpu = next(r for r in rows if r["zero_r"] == "Pa+cpu")
-    assert pa_cpu["overrides"] == ("experiment_name=plan model=plan_test stage=1 gpus=32 tp=2 micro_batch=4 cluster=dgx2_v100 "
+    assert pa_cpu["overrides"] == ("experiment_name=plan_dgx2_v100 model=plan_test stage=1 gpus=32 tp=2 micro_batch=4 cluster=dgx2_v100 "
                                    "train.recompute=true train.grad_accum_steps=1 zero.partition_activations=true "
                                    "zero.cpu_checkpointing=true cluster.device_memory_gb=16")
     assert pa_cpu["sbatch"] == f"sbatch --nodes=2 --gpus-per-node=16 slurm/run_point.sh {pa_cpu['overrides']}"
