@@ -62,9 +62,9 @@ reference: $(STAMP)
 # docs/plan.md's worked example: the plans of a 7B GPT on one 8-GPU node (V100 32 GB, H100 80 GB),
 # whole, at TP 1 with recomputation (each stage's micro-batches, all simulated), and under the
 # seed's DeepSpeed ZeRO-2 JSON (about 8 minutes on 2 cores).
-PLAN := $(BIN)/python experiments/plan.py model=gpt_7b gpus=8 results_dir=results/reference/runs
+PLAN := $(BIN)/python experiments/plan.py model=gpt_7b gpus=8 results_dir=results/reference/plans
 reference-plans: $(STAMP)
-	rm -rf results/reference/runs/plan
+	rm -rf results/reference/plans
 	@set -e; for c in dgx2_v100 dgx_h100; do \
 	  $(PLAN) cluster=$$c; \
 	  $(PLAN) cluster=$$c tps=[1] recompute=[true] confirm=28 max_simulations=28 name=gpt_7b-$$c-g8-tp1; done

@@ -227,7 +227,7 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str = "zero_repro") 
              "kernel_floors": g * micro.floors_s + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
              "dp_comm_exposed": dp["exposed_s"], "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
              "optimizer": optimizer_s(x, hw, system)}
-    details = {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"],
+    details = {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"], "recompute": x.recompute,
                "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
     return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=system, details=details)
 

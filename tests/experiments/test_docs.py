@@ -106,7 +106,7 @@ QUANTITY = re.compile(r"(?<![\w.])(\d+\.\d+) ?(GB(?!/)|MB|B\b|TFLOPs|PFLOPs|ms\b
 
 def reference_numbers() -> list[float]:
     """The reports' numbers, and the reference plans' (make reference-plans: docs/plan.md)."""
-    files = [*(REFERENCE / "reports").rglob("*.md"), *(REFERENCE / "runs" / "plan").glob("*/*.md")]
+    files = [*(REFERENCE / "reports").rglob("*.md"), *(REFERENCE / "plans" / "plan").glob("*/*.md")]
     text = " ".join(p.read_text() for p in files)
     return [float(n) for n in re.findall(r"(?<![\w.])\d+\.\d+|\d+", text)]
 
