@@ -10,8 +10,8 @@ Table 3's ZeRO-R configurations), the staging buffers in flight that its memory 
 DeepSpeed's JSON config read as a ZeroConfig (parse_deepspeed, ZeroConfig.from_deepspeed).
 """
 from . import checkpoint
-from .config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig, zero_r_config
-from .deepspeed import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
+from .config import DTYPES, STAGES, ZERO_R_CONFIGS, ZERO_R_SWITCHES, ZeroConfig, parse_deepspeed, zero_r_config
+from .deepspeed import DeepSpeedConfig, DeepSpeedConfigError
 from .engine import STATE_KINDS, ZeroEngine, initialize
 from .grad_reducer import MAX_INFLIGHT_STAGING
 

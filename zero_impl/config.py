@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .deepspeed import DeepSpeedConfig, config_error, read_deepspeed
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                                   "fp64": torch.float64}
 STAGES = (0, 1, 2, 3)
@@ -182,8 +184,19 @@ class ZeroConfig:
     def from_deepspeed(cls, path_or_dict) -> "ZeroConfig":
         """The engine config a DeepSpeed JSON (a path or its dict) describes, DeepSpeed's defaults
         for what it omits; raises deepspeed.DeepSpeedConfigError naming a key it cannot honour."""
-        from .deepspeed import parse_deepspeed  # deepspeed.py imports this module
         return parse_deepspeed(path_or_dict).zero
+
+
+def parse_deepspeed(path_or_dict) -> DeepSpeedConfig:
+    """A DeepSpeed JSON config (a path, or the dict it holds) read by zero_impl/deepspeed.py: its
+    ZeroConfig, batch keys, AdamW settings and ignored keys; raises DeepSpeedConfigError (a
+    ValueError) in one line naming the first key this engine cannot honour or read."""
+    decided, rest = read_deepspeed(path_or_dict)
+    try:
+        zero = ZeroConfig(**decided)
+    except ValueError as e:
+        raise config_error(e, rest["source"]) from None
+    return DeepSpeedConfig(zero=zero, **rest)
 
 
 ZERO_R_SWITCHES = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")

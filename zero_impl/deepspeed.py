@@ -1,4 +1,6 @@
-"""DeepSpeed's JSON config read as this engine's: `parse_deepspeed(path_or_dict)`.
+"""DeepSpeed's JSON config read as this engine's: `read_deepspeed(path_or_dict)`, which
+config.parse_deepspeed (and ZeroConfig.from_deepspeed) turn into a ZeroConfig; this module
+imports nothing of the engine, so the config can name it without a circle.
 
 Keys that mean the same thing map onto ZeroConfig (docs/deepspeed_config.md has the table); keys
 the JSON omits take DeepSpeed's defaults, so a config means here what it means in DeepSpeed.
@@ -20,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import STAGES, ZeroConfig
 
 
 class DeepSpeedConfigError(ValueError):
@@ -41,7 +42,7 @@ class DeepSpeedConfig:
     the accumulation where it gives one, the loss scaling with fp16 on, ZeRO-R's switches with an
     activation_checkpointing block (without one it says nothing about checkpoints)."""
 
-    zero: ZeroConfig
+    zero: ZeroConfig             # zero_impl.config's (a string annotation: this module imports no engine code)
     micro_batch: int | None
     train_batch_size: int | None
     grad_accum_steps: int | None
@@ -211,20 +212,21 @@ def _zero_optimization(top: _Block) -> dict:
         raw = {"stage": int(raw)}
     z = _Block(raw, "zero_optimization", top.ignored)
     stage = z.values.get("stage", 0) if z.has("stage") else 0
-    if stage == "auto":
-        _checked(z.key("stage"), stage, "int")  # raises: "auto" has its own message
-    if stage not in STAGES or isinstance(stage, bool) or not isinstance(stage, int):
-        raise DeepSpeedConfigError(z.key("stage"), f"must be one of {list(STAGES)}, got {json.dumps(stage)}")
+    stage = _checked(z.key("stage"), stage, "int")  # its range: ZeroConfig's own check (config_error names this key)
     out = {"stage": stage,
            "reduce_bucket_size": z.get("reduce_bucket_size", "int", 500_000_000, 1),
            "allgather_bucket_size": z.get("allgather_bucket_size", "int", 500_000_000, 1),
            "overlap_comm": z.get("overlap_comm", "bool", stage == 3),  # DeepSpeed: on at stage 3 only
-           # the elements the optimizer steps at once, as optimizer_bucket_size here
-           "optimizer_bucket_size": z.get("sub_group_size", "int", 1_000_000_000, 1),
            "stage3_prefetch_bucket_size": z.alias(("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
                                                   "int", 50_000_000, 0),
            "stage3_param_persistence_threshold": z.alias(("stage3_param_persistence_threshold",
                                                           "param_persistence_threshold"), "int", 100_000, 0)}
+    sub_group = z.get("sub_group_size", "int", 1_000_000_000, 1)
+    if stage == 3:  # stage 3's optimizer steps its shard in sub-groups of this many elements: ours too
+        out["optimizer_bucket_size"] = sub_group
+    elif z.has("sub_group_size"):  # stage_1_and_2.py never reads it
+        top.ignored[z.key("sub_group_size")] = ("stages 1-2 of DeepSpeed step the whole shard; the engine's chunked "
+                                                "step (zero.optimizer_bucket_size) holds less")
     always = "this engine always does it (gradients in contiguous buckets, reduce-scattered; the post-step " \
              "parameters all-gathered): false cannot be honoured"
     for name in ("contiguous_gradients", "reduce_scatter", "allgather_partitions"):
@@ -300,7 +302,8 @@ def _optimizer(top: _Block) -> dict | None:
     block.done()
     torch_adam = params.get("torch_adam", "bool", False)
     # DeepSpeed's Adam is AdamW unless adam_w_mode is false (runtime/engine.py _configure_basic_optimizer)
-    decoupled = kind.lower() == "adamw" or params.get("adam_w_mode", "bool", True)
+    adam_w_mode = params.get("adam_w_mode", "bool", True)   # read for AdamW too: DeepSpeed accepts it there
+    decoupled = kind.lower() == "adamw" or adam_w_mode
     # FusedAdam's defaults; with torch_adam DeepSpeed builds torch.optim.AdamW, whose weight decay is 0.01
     values = {"type": "adamw", "lr": float(params.get("lr", "number", 1e-3, 0)),
               "betas": [float(b) for b in params.get("betas", "betas", [0.9, 0.999])],
@@ -349,9 +352,10 @@ DEEPSPEED_KEYS = {"stage": "zero_optimization.stage", "precision": "fp16.enabled
                                                                   "number_checkpoints")}}
 
 
-def parse_deepspeed(path_or_dict: str | Path | dict) -> DeepSpeedConfig:
-    """Read a DeepSpeed JSON config (a path, or the dict it holds); raises DeepSpeedConfigError
-    (a ValueError) in one line naming the first key this engine cannot honour or read."""
+def read_deepspeed(path_or_dict: str | Path | dict) -> tuple[dict, dict]:
+    """Read a DeepSpeed JSON config (a path, or the dict it holds): (the ZeroConfig fields it
+    decides, the rest of a DeepSpeedConfig's fields). config.parse_deepspeed builds the two;
+    raises DeepSpeedConfigError in one line naming the first key this engine cannot honour."""
     values, source = _load(path_or_dict)
     ignored: dict[str, str] = {}
     top = _Block(values, "", ignored)
@@ -373,11 +377,12 @@ def parse_deepspeed(path_or_dict: str | Path | dict) -> DeepSpeedConfig:
         raise _batch_error(total, micro, accum, "DP")
     decided = {"precision": precision, "clip_grad_norm": clip, **scaling, **zero,
                **({"grad_accum_steps": accum} if accum is not None else {})}
-    try:
-        config = ZeroConfig(**decided)
-    except ValueError as e:
-        field = re.search(r"ZeroConfig\.(\w+)", str(e))
-        key = DEEPSPEED_KEYS.get(field.group(1), source) if field else source
-        raise DeepSpeedConfigError(key, re.sub(r"ZeroConfig\.\w+ ?", "", str(e))) from None
-    return DeepSpeedConfig(zero=config, micro_batch=micro, train_batch_size=total, grad_accum_steps=accum,
-                           optimizer=optimizer, ignored=ignored, source=source, decides=tuple(decided))
+    return decided, {"micro_batch": micro, "train_batch_size": total, "grad_accum_steps": accum,
+                     "optimizer": optimizer, "ignored": ignored, "source": source, "decides": tuple(decided)}
+
+
+def config_error(error: ValueError, source: str) -> DeepSpeedConfigError:
+    """ZeroConfig's refusal of a decided value, as the DeepSpeed key that set it."""
+    field = re.search(r"ZeroConfig\.(\w+)", str(error))
+    key = DEEPSPEED_KEYS.get(field.group(1), source) if field else source
+    return DeepSpeedConfigError(key, re.sub(r"ZeroConfig\.\w+ ?", "", str(error)))

@@ -16,7 +16,7 @@ from experiments.points import ConfigError, expand
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ["train.warmup_steps=1", "train.steps=2"]
 # The ZeRO tutorial's stage-2 block with an AdamW block and the usual logging keys, in fp32 so it
-# runs on CPU; DeepSpeed's defaults fill what it omits (sub_group_size 1e9, persistence 1e5).
+# runs on CPU; DeepSpeed's defaults fill what it omits (persistence 1e5; sub_group_size is stage 3's).
 ZERO2 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
          "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
                                "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
@@ -26,7 +26,7 @@ ZERO2 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
 # what ZERO2 says, as this suite's overrides (its lr, weight decay and clipping are the defaults)
 EQUIVALENT = ["stage=2", "micro_batch=2", "train.precision=fp32", "train.adam_betas=[0.9,0.95]",
               "zero.reduce_bucket_size=500000000", "zero.allgather_bucket_size=500000000",
-              "zero.optimizer_bucket_size=1000000000", "zero.overlap_comm=true",
+              "zero.overlap_comm=true",
               "zero.stage3_param_persistence_threshold=100000"]
 # measurements that differ from run to run: the clock and the process's resident memory
 MEASURED = ("started", "finished", "step_time_s", "step_times_s", "tflops_per_gpu", "tokens_per_s_per_gpu")
@@ -108,8 +108,7 @@ def test_the_json_gives_each_point_its_batch_by_deepspeeds_rule(compose, tmp_pat
         [same] = expand(compose("model=tiny_s", f"gpus=[{point.gpus}]", "dry_run=true", "stage=1", "micro_batch=2",
                                 f"train.grad_accum_steps={accum}", "train.precision=bf16", "zero.clip_grad_norm=0.5",
                                 "zero.reduce_bucket_size=500000000", "zero.allgather_bucket_size=500000000",
-                                "zero.optimizer_bucket_size=1000000000", "zero.overlap_comm=false",
-                                "zero.stage3_param_persistence_threshold=100000"))
+                                "zero.overlap_comm=false", "zero.stage3_param_persistence_threshold=100000"))
         assert same.point_id == point.point_id
     with pytest.raises(ConfigError, match=r"point \(tiny_s, 8 GPUs, TP 1\): deepspeed_config train_batch_size: "
                                           r"8 != .* = 2 x \? x 8 for any whole \?"):

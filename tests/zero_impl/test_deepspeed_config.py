@@ -56,9 +56,10 @@ def test_docs_example_takes_deepspeeds_defaults():
     ds = parse_deepspeed(DOCS_EXAMPLE)
     z = ds.zero
     assert (z.stage, z.precision, z.grad_accum_steps, z.clip_grad_norm) == (1, "fp16", 1, 0.0)
-    # DeepSpeedZeroConfig's defaults (deepspeed/runtime/zero/config.py), not this engine's 4e7
-    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.optimizer_bucket_size) == (500_000_000, 500_000_000,
-                                                                                       1_000_000_000)
+    # DeepSpeedZeroConfig's defaults (deepspeed/runtime/zero/config.py), not this engine's 4e7; its
+    # sub_group_size is stage 3's alone (stage_1_and_2.py steps the whole shard): the engine's chunks stay
+    assert (z.reduce_bucket_size, z.allgather_bucket_size) == (500_000_000, 500_000_000)
+    assert z.optimizer_bucket_size == ZeroConfig.optimizer_bucket_size
     assert z.overlap_comm is False and z.stage3_prefetch_bucket_size == 50_000_000
     assert z.stage3_param_persistence_threshold == 100_000
     # fp16's defaults (deepspeed/runtime/constants.py): dynamic from 2**16, window 1000, hysteresis 2, min 1
@@ -68,8 +69,18 @@ def test_docs_example_takes_deepspeeds_defaults():
     assert ds.optimizer == {"type": "adamw", "lr": 0.00015, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
     assert (ds.micro_batch, ds.train_batch_size, ds.grad_accum_steps, ds.ignored) == (None, 8, 1, {})
     assert ds.batch_for(2) == (4, 1) and ds.batch_for(8) == (1, 1)
-    assert {"stage", "precision", "reduce_bucket_size", "optimizer_bucket_size", "clip_grad_norm", "hysteresis",
+    assert {"stage", "precision", "reduce_bucket_size", "clip_grad_norm", "hysteresis",
             "grad_accum_steps"} <= set(ds.decides) and "partition_activations" not in ds.decides
+    assert "optimizer_bucket_size" not in ds.decides
+
+
+def test_sub_group_size_acts_at_stage_3_only_and_adamw_takes_adam_w_mode():
+    stage2 = parse_deepspeed({"train_batch_size": 8, "zero_optimization": {"stage": 2, "sub_group_size": 1e8},
+                              "optimizer": {"type": "AdamW", "params": {"adam_w_mode": True, "weight_decay": 0.1}}})
+    assert stage2.zero.optimizer_bucket_size == ZeroConfig.optimizer_bucket_size
+    assert "zero_optimization.sub_group_size" in stage2.ignored and stage2.optimizer["weight_decay"] == 0.1
+    stage3 = parse_deepspeed({"train_batch_size": 8, "zero_optimization": {"stage": 3, "sub_group_size": 1e8}})
+    assert stage3.zero.optimizer_bucket_size == 100_000_000 and "optimizer_bucket_size" in stage3.decides
 
 
 def test_megatron_zero2_example(tmp_path):
@@ -129,7 +140,7 @@ def test_torch_adam_weight_decay_default_is_torchs():
 
 @pytest.mark.parametrize("values, message", [
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage: must be one of [0, 1, 2, 3], got 4"),
-    ({"zero_optimization": {"stage": "2"}}, 'zero_optimization.stage: must be one of [0, 1, 2, 3], got "2"'),
+    ({"zero_optimization": {"stage": "2"}}, 'zero_optimization.stage: must be an integer, got "2"'),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": [5e8]}},
      "zero_optimization.reduce_bucket_size: must be an integer, got [500000000.0]"),
     ({"zero_optimization": {"overlap_comm": 1}}, "zero_optimization.overlap_comm: must be true or false, got 1"),
