@@ -41,7 +41,8 @@ warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTen
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     try:
-        _, text = run_plan(cfg, Path(HydraConfig.get().runtime.cwd) / cfg.results_dir)
+        runtime = HydraConfig.get().runtime   # model=<name>: the config the printed commands start from
+        _, text = run_plan(cfg, Path(runtime.cwd) / cfg.results_dir, base_model=runtime.choices.get("model"))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

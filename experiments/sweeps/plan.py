@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import math
+import functools
+import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,10 +37,11 @@ from experiments import records
 from experiments.analysis import step_time as st
 from experiments.analysis.calibrated import cluster_hardware
 from experiments.models.megatron_gpt import parameter_count
-from experiments.points import ConfigError, Point, expand, predicted_memory_bytes
+from experiments.analysis.hardware import load_cluster
+from experiments.points import ConfigError, Point, expand, load_model, predicted_memory_bytes
 from experiments.run.fake import simulated_precision
 from experiments.run.record import simulated_path, verdict
-from experiments.schema import SweepConfig
+from experiments.schema import ClusterConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
 from experiments.sweeps.simulated import run_simulated
 from zero_impl import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
 
@@ -46,7 +49,7 @@ ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytic
 ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
           "Pa+cpu": {"partition_activations": True, "cpu_checkpointing": True}}
 CSV_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
-               "fits", "peak_gb", "peak_source", "limit_gb", "states_gb", "activations_gb", "peak_phase",
+               "fits", "peak_gb", "peak_source", "limit_gb", "headroom_gb", "states_gb", "activations_gb", "peak_phase",
                "tflops_per_gpu_predicted", "tokens_per_s_predicted",
                "step_s_predicted", "dominant", "point_id", "overrides", "sbatch")
 
@@ -92,8 +95,9 @@ class Candidate:
 
 
 def tp_degrees(cfg: DictConfig, gpus_per_node: int) -> list[int]:
-    """TP degrees megatron can split the model by (heads and hidden), dividing the GPUs, within
-    a node; of those, the ones `tps` lists when it is given."""
+    """TP degrees megatron can split the model by (heads and hidden) whose groups stay inside a
+    node (TP groups are consecutive ranks: the degree divides the GPUs a node holds of the job);
+    of those, the ones `tps` lists when it is given."""
     from experiments.models.megatron_gpt import GPTShape
     m = cfg.model
     shape = GPTShape(m.layers, m.hidden, m.heads, m.seq_len, m.vocab_size)
@@ -103,7 +107,7 @@ def tp_degrees(cfg: DictConfig, gpus_per_node: int) -> list[int]:
             shape.check_tp(tp)
         except ValueError:
             continue
-        if cfg.gpus % tp == 0 and (cfg.tps is None or tp in cfg.tps):
+        if min(cfg.gpus, gpus_per_node) % tp == 0 and (cfg.tps is None or tp in cfg.tps):
             out.append(tp)
     return out
 
@@ -126,6 +130,10 @@ def check_plan_config(cfg: DictConfig) -> None:
     for key in ("gpus", "confirm", "max_simulations", "top"):
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
             raise ConfigError(f"{key} must be a positive integer, got {cfg[key]!r}")
+    per_node = cluster["gpus_per_node"]
+    if cfg.gpus > per_node and cfg.gpus % per_node:
+        raise ConfigError(f"gpus={cfg.gpus} is not a whole number of nodes of {per_node} GPUs (gpus_per_node): "
+                          "slurm/launch.sh runs the same number of ranks on every node")
     if cfg.global_batch is not None and cfg.global_batch < 1:
         raise ConfigError(f"global_batch must be a positive integer, got {cfg.global_batch!r}")
     for key, allowed in (("stages", (0, 1, 2, 3)), ("recompute", (True, False))):
@@ -164,9 +172,18 @@ def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
     tps = tp_degrees(cfg, cluster["gpus_per_node"])
     deepspeed = _deepspeed(cfg)
     if deepspeed is not None:
-        if cfg.global_batch is not None and (deepspeed.train_batch_size or deepspeed.grad_accum_steps):
-            raise ConfigError(f"global_batch={cfg.global_batch} and deepspeed_config {deepspeed.source}'s "
-                              "train_batch_size / gradient_accumulation_steps: set the batch in one place")
+        if cfg.global_batch is not None and (deepspeed.train_batch_size or deepspeed.grad_accum_steps
+                                             or deepspeed.micro_batch):
+            raise ConfigError(f"global_batch={cfg.global_batch} and deepspeed_config {deepspeed.source}'s batch keys "
+                              "(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps): "
+                              "set the batch in one place")
+        defaults = PlanConfig()
+        fixed = [("stages", "zero_optimization.stage", True), ("micro_batches", "train_micro_batch_size_per_gpu",
+                                                               deepspeed.micro_batch is not None or deepspeed.train_batch_size)]
+        for key, deepspeed_key, sets in fixed:
+            if sets and list(cfg[key]) != getattr(defaults, key):
+                raise ConfigError(f"{key}={list(cfg[key])} and deepspeed_config {deepspeed.source}'s {deepspeed_key}: "
+                                  "the JSON fixes it; drop one")
         tps = [tp for tp in tps if _batch_rule_holds(deepspeed, cfg.gpus // tp)]
         if not tps:
             raise ConfigError(f"deepspeed_config {deepspeed.source}: its train_batch_size divides no DP degree of "
@@ -198,8 +215,12 @@ def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
                     point = dataclasses.replace(point, train=dict(point.train, grad_accum_steps=cfg.global_batch // per_step))
                 out.setdefault(point.point_id, (point, zero_r))
     if not out:
-        raise ConfigError(f"no configuration of {cfg.model.name} on {cfg.gpus} GPUs gives global_batch={cfg.global_batch} "
-                          f"(micro-batch x DP must divide it; micro_batches={list(cfg.micro_batches)})")
+        why = [f"TP in {tps}", f"stages={list(cfg.stages)}", f"recompute={list(cfg.recompute)}"]
+        if cfg.global_batch is not None:
+            why.append(f"micro-batch x DP dividing global_batch={cfg.global_batch} (micro_batches={list(cfg.micro_batches)})")
+        if deepspeed is not None and "partition_activations" in deepspeed.decides:
+            why.append(f"deepspeed_config's ZeRO-R (Pa needs TP > 1 and recomputation)")
+        raise ConfigError(f"no configuration of {cfg.model.name} on {cfg.gpus} GPUs is left: {'; '.join(why)}")
     return list(out.values())
 
 
@@ -263,36 +284,69 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
             progress(ran, sum(c.fits and c.simulated_peak is not None for c in candidates))
 
 
-def overrides(c: Candidate) -> str:
-    """The overrides of train.py that run this candidate: the same point (point_id) as the plan's."""
+ALWAYS_SHOWN = ("recompute", "grad_accum_steps")   # train.* a reader looks for, printed even at their defaults
+
+
+def _hydra(key: str, value) -> str:
+    """`key=value` as one shell word of a Hydra override."""
+    if isinstance(value, bool) or value is None:
+        text = "null" if value is None else str(value).lower()
+    elif isinstance(value, (list, tuple)):
+        text = "[" + ",".join(_hydra("", v)[1:] for v in value) + "]"
+    elif isinstance(value, str) and not re.fullmatch(r"[\w.\-/]+", value):
+        text = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    else:
+        text = str(value)
+    return shlex.quote(f"{key}={text}") if key else f"={text}"
+
+
+def _defaults(point: Point, base_model: str) -> tuple[dict, dict, dict, dict]:
+    """What train.py's config holds before any override: the base model's config, the
+    schema's train.* and zero.*, the cluster's file."""
+    cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), load_cluster(point.cluster["name"]) or {})
+    return (load_model(base_model), OmegaConf.to_container(OmegaConf.structured(TrainSettings)),
+            OmegaConf.to_container(OmegaConf.structured(ZeroSettings)), OmegaConf.to_container(cluster))
+
+
+def overrides(c: Candidate, base_model: str | None = None) -> str:
+    """The overrides of train.py that run this candidate: the same point (point_id) as the plan's.
+    Every model, train, zero and cluster value that differs from train.py's own is written (the
+    model's against `base_model`, the model config the plan started from; default: the point's
+    model when a config of that name exists); with a DeepSpeed JSON, the JSON passes on what it
+    decides."""
     p = c.point
-    parts = [f"experiment_name={p.experiment}", f"model={p.model['name']}", f"stage={p.stage}", f"gpus={p.gpus}", f"tp={p.tp}",
-             f"micro_batch={p.micro_batch}", f"cluster={p.cluster['name']}",
-             f"train.recompute={str(p.train['recompute']).lower()}", f"train.grad_accum_steps={p.train['grad_accum_steps']}"]
-    if p.train["precision"] != "auto":
-        parts.append(f"train.precision={p.train['precision']}")
-    parts += [f"zero.{k}=true" for k in ZERO_R[c.zero_r] if not c.deepspeed_config]  # else the JSON says it
-    for key in ("device_memory_gb", "gpus_per_node"):
-        if p.cluster.get(key) is not None and p.cluster.get(key) != _profile_value(p.cluster["name"], key):
-            parts.append(f"cluster.{key}={p.cluster[key]:g}")
+    base = base_model or p.model["name"]
+    model, train, zero, cluster = _defaults(p, base)
+    deepspeed = _deepspeed_of(c.deepspeed_config)
+    json_train = set() if deepspeed is None else {"precision", *(("lr", "weight_decay", "adam_betas", "adam_eps")
+                                                                if deepspeed.optimizer else ())}
+    json_zero = set() if deepspeed is None else set(deepspeed.decides)
+    parts = [f"experiment_name={p.experiment}", f"model={base}"]
+    parts += [_hydra(f"model.{k}", v) for k, v in p.model.items() if v != model.get(k)]
+    parts += [f"stage={p.stage}", f"gpus={p.gpus}", f"tp={p.tp}", f"micro_batch={p.micro_batch}",
+              f"cluster={p.cluster['name']}"]
+    parts += [_hydra(f"train.{k}", v) for k, v in p.train.items()
+              if (v != train.get(k) or k in ALWAYS_SHOWN) and k not in json_train]
+    parts += [_hydra(f"zero.{k}", v) for k, v in p.zero.items() if v != zero.get(k) and k not in json_zero]
+    parts += [_hydra(f"cluster.{k}", v) for k, v in p.cluster.items() if v != cluster.get(k)]
     if c.deepspeed_config:
-        parts.append(f"deepspeed_config={c.deepspeed_config}")
+        parts.append(_hydra("deepspeed_config", c.deepspeed_config))
     return " ".join(parts)
 
 
-def _profile_value(cluster: str, key: str):
-    from experiments.analysis.hardware import load_cluster
-    return (load_cluster(cluster) or {}).get(key)
+@functools.cache
+def _deepspeed_of(path: str) -> DeepSpeedConfig | None:
+    return parse_deepspeed(path) if path else None
 
 
-def sbatch_line(c: Candidate) -> str:
-    """slurm/run_point.sh on as many nodes as the GPUs need."""
+def sbatch_line(c: Candidate, base_model: str | None = None) -> str:
+    """slurm/run_point.sh on whole nodes (check_plan_config: a job of more than a node fills them)."""
     per_node = c.point.cluster["gpus_per_node"]
-    nodes, gpus_per_node = math.ceil(c.point.gpus / per_node), min(per_node, c.point.gpus)
-    return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {overrides(c)}"
+    nodes, gpus_per_node = max(1, c.point.gpus // per_node), min(per_node, c.point.gpus)
+    return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {overrides(c, base_model)}"
 
 
-def rows(candidates: list[Candidate]) -> list[dict]:
+def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dict]:
     out = []
     for i, c in enumerate(ranked(candidates), 1):
         p, step = c.point, c.step
@@ -300,6 +354,7 @@ def rows(candidates: list[Candidate]) -> list[dict]:
                     "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
                     "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
                     "peak_gb": round(c.peak / 1e9, 2), "limit_gb": round(c.limit / 1e9, 2),
+                    "headroom_gb": round((c.limit - c.peak) / 1e9, 2),
                     "states_gb": round(c.analytic["model_states"] / 1e9, 2),
                     "activations_gb": round(c.analytic["activations"] / 1e9, 2), "peak_phase": c.analytic["peak_phase"],
                     "peak_source": "failed: " + c.simulation_error if c.simulation_error
@@ -308,13 +363,13 @@ def rows(candidates: list[Candidate]) -> list[dict]:
                     "tokens_per_s_predicted": round(c.speed) if step else None,
                     "step_s_predicted": round(step.step_s, 3) if step else None,
                     "dominant": step.dominant() if step else None, "point_id": p.point_id,
-                    "overrides": overrides(c), "sbatch": sbatch_line(c)})
+                    "overrides": overrides(c, base_model), "sbatch": sbatch_line(c, base_model)})
     return out
 
 
-TABLE_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "recompute", "zero_r", "fits", "peak_gb",
-                 "peak_source", "states_gb", "activations_gb", "tflops_per_gpu_predicted", "tokens_per_s_predicted",
-                 "dominant")
+TABLE_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
+                 "fits", "peak_gb", "headroom_gb", "peak_source", "states_gb", "activations_gb",
+                 "tflops_per_gpu_predicted", "tokens_per_s_predicted", "dominant")
 
 
 def table(plan_rows: list[dict]) -> list[str]:
@@ -368,11 +423,12 @@ class ProgressBar:
         print(file=sys.stderr)
 
 
-def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
+def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) -> tuple[list[dict], str]:
     """The plan's rows and its Markdown (module docstring); plan.md, plan.csv and plan_table.md
     written under results_dir/plan/<name or model-cluster-g<gpus>>/, the simulated records
     where train.py simulate=true writes the same points', results_dir/plan_<cluster>/simulated/
-    (an existing record of a point is reused)."""
+    (an existing record of a point is reused). `base_model`: the model config the plan's
+    model= chose (its command lines override that config)."""
     check_plan_config(cfg)
     began = time.perf_counter()
     candidates = price(candidate_points(cfg), cfg.system)
@@ -388,7 +444,7 @@ def run_plan(cfg: DictConfig, results_dir: Path) -> tuple[list[dict], str]:
     ran = confirm(candidates, results_dir / experiment_name(cluster), wanted=cfg.confirm, max_simulations=cfg.max_simulations,
                   workers=cfg.simulate_workers or _cpus(), rank=cfg.simulate_rank, progress=bar)
     bar.close()
-    plan_rows = rows(candidates)
+    plan_rows = rows(candidates, base_model)
     reused = sum(c.simulated_peak is not None or c.simulation_error is not None for c in candidates) - ran
     params = parameter_count(candidates[0].point.shape, 1)
     hw = cluster_hardware(cluster)

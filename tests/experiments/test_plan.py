@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import subprocess
 import sys
 
@@ -30,16 +31,18 @@ def plan_config(*overrides: str):
 
 
 def test_candidates_span_stage_tp_micro_batch_recompute_and_zero_r():
-    cfg = plan_config("gpus=6", "gpus_per_node=4", "micro_batches=[1,2]")
+    cfg = plan_config("gpus=12", "gpus_per_node=6", "micro_batches=[1,2]")
     found = plan.candidate_points(cfg)
-    assert {p.tp for p, _ in found} == {1, 2, 3}
-    # per stage and micro-batch: recompute on (3 TPs bare, Pa and Pa+cpu at TP 2 and 3) + off (3 TPs bare)
-    assert len(found) == 4 * 2 * (3 + 2 + 2 + 3)
+    assert {p.tp for p, _ in found} == {1, 2, 3, 6}
+    # per stage and micro-batch: recompute on (4 TPs bare, Pa and Pa+cpu at TP 2, 3, 6) + off (4 TPs bare)
+    assert len(found) == 4 * 2 * (4 + 3 + 3 + 4)
     for point, zero_r in found:
         if zero_r != "-":
             assert point.tp > 1 and point.train["recompute"] and point.zero["partition_activations"]
         assert point.zero["cpu_checkpointing"] == (zero_r == "Pa+cpu")
-        assert point.cluster["gpus_per_node"] == 4 and point.train["grad_accum_steps"] == 1
+        assert point.cluster["gpus_per_node"] == 6 and point.train["grad_accum_steps"] == 1
+    # TP groups are consecutive ranks: on nodes of 4, TP 3 and 6 would cross a node
+    assert {p.tp for p, _ in plan.candidate_points(plan_config("gpus=8", "gpus_per_node=4", "micro_batches=[1]"))} == {1, 2}
 
 
 def test_a_v100_plans_points_are_not_an_h100_plans():
@@ -52,11 +55,12 @@ def test_a_v100_plans_points_are_not_an_h100_plans():
 
 
 def test_a_fixed_global_batch_sets_accumulation_and_drops_what_does_not_divide():
-    cfg = plan_config("gpus=6", "gpus_per_node=4", "micro_batches=[1,2,4]", "global_batch=12", "stages=[2]",
+    cfg = plan_config("gpus=6", "gpus_per_node=6", "micro_batches=[1,2,4]", "global_batch=12", "stages=[2]",
                       "recompute=[true]")
     accum = {(p.tp, p.micro_batch): p.train["grad_accum_steps"] for p, zero_r in plan.candidate_points(cfg) if zero_r == "-"}
-    # DP 6, 3, 2 at TP 1, 2, 3: micro x DP x accumulation = 12; 4 x 6 and 4 x 2 x 1.5 do not divide 12
-    assert accum == {(1, 1): 2, (1, 2): 1, (2, 1): 4, (2, 2): 2, (2, 4): 1, (3, 1): 6, (3, 2): 3}
+    # DP 6, 3, 2, 1 at TP 1, 2, 3, 6: micro x DP x accumulation = 12; 4 x 6 and 4 x 2 x 1.5 do not divide 12
+    assert accum == {(1, 1): 2, (1, 2): 1, (2, 1): 4, (2, 2): 2, (2, 4): 1, (3, 1): 6, (3, 2): 3,
+                     (6, 1): 12, (6, 2): 6, (6, 4): 3}
     assert all(p.global_batch == 12 for p, _ in plan.candidate_points(cfg))
 
 
@@ -124,40 +128,66 @@ def test_bad_plan_input_is_one_line_naming_the_key():
     assert out.returncode == 2 and out.stderr.strip().splitlines() == ["error: gpus must be a positive integer, got 0"]
 
 
-def test_each_row_carries_the_overrides_and_sbatch_line_that_run_it():
-    cfg = plan_config("cluster=dgx2_v100", "gpus=32", "device_memory_gb=16", "tps=[2]", "stages=[1]",
-                      "micro_batches=[4]", "recompute=[true]", "global_batch=64")
-    rows = plan.rows(plan.price(plan.candidate_points(cfg), "zero_repro"))
-    assert {r["tp"] for r in rows} == {2} and {r["zero_r"] for r in rows} == {"-", "Pa", "Pa+cpu"}
-    pa_cpu = next(r for r in rows if r["zero_r"] == "Pa+cpu")
-    assert pa_cpu["overrides"] == ("experiment_name=plan_dgx2_v100 model=plan_test stage=1 gpus=32 tp=2 micro_batch=4 cluster=dgx2_v100 "
-                                   "train.recompute=true train.grad_accum_steps=1 zero.partition_activations=true "
-                                   "zero.cpu_checkpointing=true cluster.device_memory_gb=16")
-    assert pa_cpu["sbatch"] == f"sbatch --nodes=2 --gpus-per-node=16 slurm/run_point.sh {pa_cpu['overrides']}"
+def _train_point(overrides: str):
+    """The point train.py builds from a row's overrides (composed as its command line would be)."""
+    from experiments.run.real import point_from_train_config
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return point_from_train_config(compose(config_name="train", overrides=shlex.split(overrides)))
+
+
+@pytest.mark.parametrize("extra", [
+    [],                                                                            # the model config as it is
+    ["model.layers=3", "model.hidden=192"],                                        # a custom shape
+    ["train.lr=3e-4", "zero.reduce_bucket_size=1000000", "cluster.cuda_reserve_gb=2", "global_batch=128"],
+    [f"deepspeed_config={REPO / 'conf' / 'deepspeed' / 'zero2_fp16.json'}"],       # Pa chosen by the plan
+])
+def test_each_rows_command_is_the_plans_point(extra):
+    """train.py with a row's printed overrides builds that very point (same point_id)."""
+    cfg = plan_config("cluster=dgx2_v100", "gpus=32", "device_memory_gb=16", "micro_batches=[2]", "stages=[1,3]", *extra)
+    if any(e.startswith("deepspeed_config") for e in extra):   # the JSON fixes stage and micro-batch
+        cfg = plan_config("cluster=dgx2_v100", "gpus=32", "device_memory_gb=16", *extra)
+    candidates = plan.price(plan.candidate_points(cfg), "zero_repro")
+    for c in candidates:
+        c.deepspeed_config = cfg.deepspeed_config
+    rows = plan.rows(candidates, base_model="gpt_7b")   # plan_config starts from conf/model/gpt_7b.yaml
+    assert {r["zero_r"] for r in rows} == {"-", "Pa", "Pa+cpu"}
+    for row in rows:
+        assert _train_point(row["overrides"]).point_id == row["point_id"], row["overrides"]
+    assert rows[0]["sbatch"] == f"sbatch --nodes=2 --gpus-per-node=16 slurm/run_point.sh {rows[0]['overrides']}"
+
+
+def test_plans_that_cannot_run_are_refused():
     with pytest.raises(ConfigError, match=r"tps=\[5\]"):
         plan.check_plan_config(plan_config("tps=[5]"))
+    with pytest.raises(ConfigError, match="gpus=12 is not a whole number of nodes of 8"):
+        plan.check_plan_config(plan_config("gpus=12"))   # dgx_h100: 8 GPUs a node
+    json_path = REPO / "conf" / "deepspeed" / "zero2_fp16.json"
+    with pytest.raises(ConfigError, match=r"stages=\[3\] and deepspeed_config .*zero_optimization.stage"):
+        plan.candidate_points(plan_config("gpus=4", f"deepspeed_config={json_path}", "stages=[3]"))
+    with pytest.raises(ConfigError, match="set the batch in one place"):   # its micro-batch alone means accumulation 1
+        plan.candidate_points(plan_config("gpus=4", f"deepspeed_config={json_path}", "global_batch=64"))
 
 
 def test_a_deepspeed_json_fixes_what_it_sets_and_the_printed_commands_pass_it_on(tmp_path):
     json_path = str(REPO / "conf" / "deepspeed" / "zero2_fp16.json")   # ZeRO-2, micro-batch 4, fp16
-    cfg = plan_config("gpus=6", "gpus_per_node=4", f"deepspeed_config={json_path}")
+    cfg = plan_config("gpus=6", "gpus_per_node=6", f"deepspeed_config={json_path}")
     found = plan.candidate_points(cfg)
     assert {(p.stage, p.micro_batch, p.train["precision"]) for p, _ in found} == {(2, 4, "fp16")}
     assert {z for _, z in found} == {"-", "Pa", "Pa+cpu"}   # it has no activation_checkpointing block
     blocked = tmp_path / "pa.json"
     blocked.write_text(json.dumps({**json.loads(open(json_path).read()),
                                    "activation_checkpointing": {"partition_activations": True}}))
-    assert {z for _, z in plan.candidate_points(plan_config("gpus=6", "gpus_per_node=4",
+    assert {z for _, z in plan.candidate_points(plan_config("gpus=6", "gpus_per_node=6",
                                                             f"deepspeed_config={blocked}"))} == {"Pa"}
-    assert {p.tp for p, _ in found} == {1, 2, 3} and {p.train["recompute"] for p, _ in found} == {True, False}
+    assert {p.tp for p, _ in found} == {1, 2, 3, 6} and {p.train["recompute"] for p, _ in found} == {True, False}
     assert {p.zero["reduce_bucket_size"] for p, _ in found} == {500_000_000}
     assert {tuple(p.train["adam_betas"]) for p, _ in found} == {(0.9, 0.95)}
     candidates = plan.price(found, "zero_repro")
     for c in candidates:
         c.deepspeed_config = json_path
-    assert all(r["overrides"].endswith(f"deepspeed_config={json_path}") for r in plan.rows(candidates))
-    with pytest.raises(ConfigError, match="set the batch in one place"):
-        plan.candidate_points(plan_config("gpus=4", f"deepspeed_config={json_path}", "global_batch=64"))
+    assert all(r["overrides"].endswith(f"deepspeed_config={json_path}") for r in plan.rows(candidates, "gpt_7b"))
 
 
 @pytest.mark.slow
