@@ -445,11 +445,15 @@ def resolve_precision(precision: str) -> str:
 
 
 def predicted_model_state_bytes(point: Point, precision: str) -> dict[str, float]:
-    """Table 1's formula for one rank: Ψ is the parameters of its TP slice, Nd its DP degree."""
+    """Table 1's formula for one rank at the engine's dtypes: Ψ is the parameters of its TP
+    slice, Nd its DP degree. fp16 is the paper's P = G = 2, K = 12; bf16 keeps its gradients in
+    fp32 (ZeroConfig.reduce_dtype's default: G = 4); in fp32 the master is the parameter itself
+    (K = 8, Adam's two moments)."""
     psi = parameters_per_tp_rank(point.shape, point.tp)
-    if precision == "fp32":  # the master is the parameter itself: K = 8 (Adam's two moments)
-        return model_state_bytes(psi, point.stage, point.dp, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
-    return model_state_bytes(psi, point.stage, point.dp)
+    config = ZeroConfig(stage=point.stage, precision=precision, **point.zero)
+    return model_state_bytes(psi, point.stage, point.dp, param_bytes=config.param_dtype.itemsize,
+                             grad_bytes=config.grad_reduce_dtype.itemsize,
+                             optimizer_bytes=12 if config.mixed_precision else 8)
 
 
 def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True) -> dict[str, float]:

@@ -49,3 +49,24 @@ def test_a_rank_resolves_its_precision_after_set_device(compose, monkeypatch, tm
     with pytest.raises(Stop):
         real.run_as_rank(point, tmp_path, "torchrun")
     assert calls == [("set_device", 3), ("resolve_precision", "auto")]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_predicted_model_states_take_the_engines_bytes_per_element(compose, precision):
+    """Table 1's prediction at the engine's own dtypes: bf16 keeps fp32 gradients (G = 4, not the
+    paper's fp16 2), fp32 has no separate master (K = 8)."""
+    import zero_impl
+    from experiments.models.megatron_gpt import parameters_per_tp_rank
+    from experiments.points import expand, predicted_model_state_bytes
+    point = expand(compose("model=tiny_s", "stage=2", "gpus=[4]", "dry_run=true"))[0]
+    predicted, psi = predicted_model_state_bytes(point, precision), parameters_per_tp_rank(point.shape, point.tp)
+    engine = zero_impl.initialize(torch.nn.Linear(8, 8), zero_impl.ZeroConfig(stage=2, precision=precision),
+                                  optimizer=lambda groups: torch.optim.AdamW(groups))
+    engine.backward(engine(torch.randn(2, 8, dtype=zero_impl.DTYPES[precision])).float().square().mean())
+    engine.step()   # Adam's moments exist from here on
+    per = engine.bytes_per_param()
+    engine.close()
+    assert per["grads"] == {"fp16": 2, "bf16": 4, "fp32": 4}[precision]
+    assert predicted["params"] == psi * per["params"]                        # replicated at stage 2
+    assert predicted["grads"] == pytest.approx(psi * per["grads"] / 4)       # partitioned over DP 4
+    assert predicted["optimizer_states"] == pytest.approx(psi * per["optimizer_states"] / 4)
