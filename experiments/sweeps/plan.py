@@ -38,7 +38,7 @@ from experiments.analysis import step_time as st
 from experiments.analysis.calibrated import cluster_hardware
 from experiments.models.megatron_gpt import parameter_count
 from experiments.analysis.hardware import load_cluster
-from experiments.points import ConfigError, Point, expand, load_model, predicted_memory_bytes
+from experiments.points import CONF_DIR, ConfigError, Point, available_models, expand, load_model, predicted_memory_bytes
 from experiments.run.fake import simulated_precision
 from experiments.run.record import simulated_path, verdict
 from experiments.schema import ClusterConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
@@ -208,6 +208,9 @@ def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
             if not sweep.experiment.grid.tp:
                 continue
             for point in expand(sweep):
+                # "auto" would hash by the host that computes the id (points.Point.point_id): the
+                # plan runs on a login node, its points on GPU nodes; the cluster decides instead
+                point = dataclasses.replace(point, train=dict(point.train, precision=simulated_precision(point)))
                 if cfg.global_batch is not None:
                     per_step = point.micro_batch * point.dp
                     if cfg.global_batch % per_step:
@@ -287,17 +290,36 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
 ALWAYS_SHOWN = ("recompute", "grad_accum_steps")   # train.* a reader looks for, printed even at their defaults
 
 
+# a string Hydra would read as another type, so it is quoted even when its characters are plain
+NOT_A_STRING = re.compile(r"(?i)true|false|null|[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?|[-+]?(inf|nan)")
+
+
 def _hydra(key: str, value) -> str:
-    """`key=value` as one shell word of a Hydra override."""
+    """`key=value` as one shell word of a Hydra override. A string is quoted unless it is plain
+    (word characters, dots, dashes, slashes) and would not read as a bool, null or number; in
+    quotes a quote is escaped, and so is a backslash that would escape one (Hydra unescapes
+    backslashes only before a quote)."""
     if isinstance(value, bool) or value is None:
         text = "null" if value is None else str(value).lower()
     elif isinstance(value, (list, tuple)):
         text = "[" + ",".join(_hydra("", v)[1:] for v in value) + "]"
-    elif isinstance(value, str) and not re.fullmatch(r"[\w.\-/]+", value):
-        text = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    elif isinstance(value, str) and (not re.fullmatch(r"[\w.\-/]+", value) or NOT_A_STRING.fullmatch(value)):
+        escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value).replace("'", "\\'")
+        text = f"'{escaped}'"
     else:
         text = str(value)
     return shlex.quote(f"{key}={text}") if key else f"={text}"
+
+
+def _base_model(point: Point, base_model: str | None) -> str:
+    """The model config a command starts from: the plan's model= choice, else the point's model
+    when a config of its name exists, else train.py's own default (every model key then differs)."""
+    if base_model:
+        return base_model
+    if point.model["name"] in available_models():
+        return point.model["name"]
+    return next(d["model"] for d in OmegaConf.load(CONF_DIR / "train.yaml").defaults
+                if isinstance(d, dict) and "model" in d)
 
 
 def _defaults(point: Point, base_model: str) -> tuple[dict, dict, dict, dict]:
@@ -311,11 +333,10 @@ def _defaults(point: Point, base_model: str) -> tuple[dict, dict, dict, dict]:
 def overrides(c: Candidate, base_model: str | None = None) -> str:
     """The overrides of train.py that run this candidate: the same point (point_id) as the plan's.
     Every model, train, zero and cluster value that differs from train.py's own is written (the
-    model's against `base_model`, the model config the plan started from; default: the point's
-    model when a config of that name exists); with a DeepSpeed JSON, the JSON passes on what it
-    decides."""
+    model's against the config it starts from, _base_model); with a DeepSpeed JSON, the JSON
+    passes on what it decides."""
     p = c.point
-    base = base_model or p.model["name"]
+    base = _base_model(p, base_model)
     model, train, zero, cluster = _defaults(p, base)
     deepspeed = _deepspeed_of(c.deepspeed_config)
     json_train = set() if deepspeed is None else {"precision", *(("lr", "weight_decay", "adam_betas", "adam_eps")

@@ -49,8 +49,10 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
     todo = []
     for point in points:
         existing = records.read_record(simulated_path(results_dir, point))
-        # a point's id leaves its cluster out, and "auto" precision resolves by it: same cluster only
-        same_cluster = existing and existing.get("config", {}).get("cluster", {}).get("name") == point.cluster["name"]
+        # a point's id leaves its cluster out, while its verdict (device memory, reserve) and "auto"
+        # precision depend on it: only a record of the same cluster and precision counts as done
+        same_cluster = existing and existing.get("config", {}).get("cluster") == point.cluster \
+            and existing.get("precision") == simulated_precision(point)
         if same_cluster and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank and not force:
             print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
         else:

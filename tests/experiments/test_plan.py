@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -52,6 +53,15 @@ def test_a_v100_plans_points_are_not_an_h100_plans():
     ids = [{p.point_id for p, _ in plan.candidate_points(plan_config(f"cluster={c}", "gpus=4", "micro_batches=[2]"))}
            for c in ("dgx2_v100", "dgx_h100")]
     assert ids[0] and not ids[0] & ids[1]
+
+
+def test_a_plans_point_ids_do_not_depend_on_the_host(monkeypatch):
+    """plan.py runs on a login node, its commands on GPU nodes: the points carry the precision
+    their cluster trains in (auto hashes by the host's CUDA), so a row's id is the GPU run's."""
+    on_cpu = {p.point_id: p for p, _ in plan.candidate_points(plan_config("cluster=dgx2_v100", "gpus=4"))}
+    assert {p.train["precision"] for p in on_cpu.values()} == {"fp16"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert {p.point_id for p in on_cpu.values()} == set(on_cpu)
 
 
 def test_a_fixed_global_batch_sets_accumulation_and_drops_what_does_not_divide():
@@ -156,6 +166,18 @@ def test_each_rows_command_is_the_plans_point(extra):
     for row in rows:
         assert _train_point(row["overrides"]).point_id == row["point_id"], row["overrides"]
     assert rows[0]["sbatch"] == f"sbatch --nodes=2 --gpus-per-node=16 slurm/run_point.sh {rows[0]['overrides']}"
+
+
+@pytest.mark.parametrize("value", ["true", "1e5", "null", "a\\b", "it's", "x y $HOME `id`", "ends\\", "a\\'b",
+                                   "plain-name/x.y"])
+def test_a_printed_string_reads_back_as_the_same_string(value):
+    """A string override survives the shell and Hydra: quoted where it would read as a bool, null or
+    number, or where its characters are not plain; quotes and the backslashes before them escaped."""
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=shlex.split(plan._hydra("model.source", value)))
+    assert cfg.model.source == value
 
 
 def test_plans_that_cannot_run_are_refused():

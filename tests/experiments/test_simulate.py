@@ -257,13 +257,15 @@ def test_figure6_searches_one_row_per_zero_r_configuration(compose):
 def test_a_simulated_record_of_another_cluster_is_not_skipped_as_done(tmp_path, monkeypatch):
     """A point's id leaves its cluster out, and auto precision resolves by it (fp16 on V100,
     bf16 on H100): sweep.py simulate=true re-simulates a point whose record is another cluster's."""
+    import dataclasses
+
     from experiments.records import write_record
     from experiments.run.record import simulated_path
     from experiments.sweeps import simulated as sweeps_simulated
     v100, h100 = (make_point("tiny_s", 2, 8, 1, 2, cluster=c) for c in ("dgx2_v100", "dgx_h100"))
     assert v100.point_id == h100.point_id
     write_record(simulated_path(tmp_path, v100), {"point_id": v100.point_id, "status": "ok", "simulated_rank": 0,
-                                                  "config": {"cluster": {"name": "dgx2_v100"}}})
+                                                  "precision": "fp16", "config": {"cluster": v100.cluster}})
     ran = []
     monkeypatch.setattr(sweeps_simulated, "run_simulated", lambda points, *a, **k: ran.extend(points) or [])
     monkeypatch.setattr(sweeps_simulated, "simulated_summary_rows", lambda *a: [])
@@ -271,3 +273,6 @@ def test_a_simulated_record_of_another_cluster_is_not_skipped_as_done(tmp_path, 
     assert ran == []                       # its own cluster's record: skipped
     sweeps_simulated.run_sweep_simulated([h100], tmp_path)
     assert ran == [h100]                   # another cluster's: simulated again
+    smaller = dataclasses.replace(v100, cluster=dict(v100.cluster, device_memory_gb=16))
+    sweeps_simulated.run_sweep_simulated([smaller], tmp_path)
+    assert ran == [h100, smaller]          # the same cluster with less memory: its verdict differs
