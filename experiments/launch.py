@@ -119,6 +119,11 @@ class _Child:
     started: float = field(default_factory=time.monotonic)
 
 
+def default_workers() -> int:
+    """Children at once when the caller names no number: one per CPU."""
+    return os.cpu_count() or 1
+
+
 class ChildPool:
     """Jobs `fn(*args)` in forked children, each a process of its own (a fake process group must
     be its process's only one), at most `workers` at once, each under its own timeout.
@@ -128,7 +133,7 @@ class ChildPool:
     death, its timeout: "<what> timed out after N s", "<what> process died with exit code C")."""
 
     def __init__(self, workers: int | None = None, what: str = "job") -> None:
-        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.workers = max(1, workers or default_workers())
         self.what, self.running = what, []
         self._ctx = multiprocessing.get_context("fork")
 

@@ -33,16 +33,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import records
 from experiments.analysis import step_time as st
 from experiments.analysis.calibrated import cluster_hardware
 from experiments.models.megatron_gpt import parameter_count
 from experiments.analysis.hardware import load_cluster
+from experiments.launch import default_workers
 from experiments.points import CONF_DIR, ConfigError, Point, available_models, expand, load_model, predicted_memory_bytes
 from experiments.run.fake import simulated_precision
-from experiments.run.record import simulated_path, verdict
+from experiments.run.record import verdict
 from experiments.schema import ClusterConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
-from experiments.sweeps.simulated import run_simulated
+from experiments.sweeps.simulated import done_record, run_simulated
 from zero_impl import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
 
 ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytically: the analytic model's error
@@ -155,11 +155,13 @@ def experiment_name(cluster: dict) -> str:
     return f"plan_{cluster['name']}"
 
 
-def _deepspeed(cfg: DictConfig) -> DeepSpeedConfig | None:
-    if not cfg.deepspeed_config:
+@functools.cache
+def _deepspeed(path: str) -> DeepSpeedConfig | None:
+    """The plan's DeepSpeed JSON, read once (candidates and every printed command use it)."""
+    if not path:
         return None
     try:
-        return parse_deepspeed(cfg.deepspeed_config)
+        return parse_deepspeed(path)
     except DeepSpeedConfigError as e:
         raise ConfigError(str(e)) from None
 
@@ -170,7 +172,7 @@ def candidate_points(cfg: DictConfig) -> list[tuple[Point, str]]:
     activation_checkpointing block the ZeRO-R configuration."""
     cluster = _cluster(cfg)
     tps = tp_degrees(cfg, cluster["gpus_per_node"])
-    deepspeed = _deepspeed(cfg)
+    deepspeed = _deepspeed(cfg.deepspeed_config)
     if deepspeed is not None:
         if cfg.global_batch is not None and (deepspeed.train_batch_size or deepspeed.grad_accum_steps
                                              or deepspeed.micro_batch):
@@ -238,11 +240,11 @@ def _batch_rule_holds(deepspeed: DeepSpeedConfig, dp: int) -> bool:
 def price(points: list[tuple[Point, str]], system: str) -> list[Candidate]:
     """Each point's analytic peak and predicted step (analysis/step_time.py, as predict.py)."""
     out = []
+    hw = cluster_hardware(points[0][0].cluster) if points else None   # one cluster per plan
     for point, zero_r in points:
         precision = simulated_precision(point)
         v = verdict(point, 0)
         limit = v["device_bytes"] - v["cuda_reserve_bytes"]
-        hw = cluster_hardware(point.cluster)
         step = st.predict(st.point_inputs(point, system), hw, system) if hw and point.stage in st.SYSTEMS[system].stages else None
         out.append(Candidate(point, zero_r, precision, limit, predicted_memory_bytes(point, precision), step))
     return out
@@ -268,9 +270,8 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
         batch = queue[:min(max(1, workers), max_simulations - ran, wanted - confirmed)]
         todo = []
         for c in batch:
-            record = records.read_record(simulated_path(results_dir, c.point))
-            if record and record.get("simulated_rank") == rank and record.get("status") in ("ok", "oom") \
-                    and record.get("precision") == c.precision and record.get("memory", {}).get("peak_bytes"):
+            record = done_record(results_dir, c.point, rank)
+            if record and record.get("memory", {}).get("peak_bytes"):
                 c.simulated_peak = float(record["memory"]["peak_bytes"])
             else:
                 todo.append(c)
@@ -338,7 +339,7 @@ def overrides(c: Candidate, base_model: str | None = None) -> str:
     p = c.point
     base = _base_model(p, base_model)
     model, train, zero, cluster = _defaults(p, base)
-    deepspeed = _deepspeed_of(c.deepspeed_config)
+    deepspeed = _deepspeed(c.deepspeed_config)
     json_train = set() if deepspeed is None else {"precision", *(("lr", "weight_decay", "adam_betas", "adam_eps")
                                                                 if deepspeed.optimizer else ())}
     json_zero = set() if deepspeed is None else set(deepspeed.decides)
@@ -355,22 +356,17 @@ def overrides(c: Candidate, base_model: str | None = None) -> str:
     return " ".join(parts)
 
 
-@functools.cache
-def _deepspeed_of(path: str) -> DeepSpeedConfig | None:
-    return parse_deepspeed(path) if path else None
-
-
-def sbatch_line(c: Candidate, base_model: str | None = None) -> str:
+def sbatch_line(point: Point, train_overrides: str) -> str:
     """slurm/run_point.sh on whole nodes (check_plan_config: a job of more than a node fills them)."""
-    per_node = c.point.cluster["gpus_per_node"]
-    nodes, gpus_per_node = max(1, c.point.gpus // per_node), min(per_node, c.point.gpus)
-    return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {overrides(c, base_model)}"
+    per_node = point.cluster["gpus_per_node"]
+    nodes, gpus_per_node = max(1, point.gpus // per_node), min(per_node, point.gpus)
+    return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {train_overrides}"
 
 
 def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dict]:
     out = []
     for i, c in enumerate(ranked(candidates), 1):
-        p, step = c.point, c.step
+        p, step, command = c.point, c.step, overrides(c, base_model)
         out.append({"rank": i, "stage": p.stage, "tp": p.tp, "dp": p.dp, "micro_batch": p.micro_batch,
                     "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
                     "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
@@ -384,7 +380,7 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
                     "tokens_per_s_predicted": round(c.speed) if step else None,
                     "step_s_predicted": round(step.step_s, 3) if step else None,
                     "dominant": step.dominant() if step else None, "point_id": p.point_id,
-                    "overrides": overrides(c, base_model), "sbatch": sbatch_line(c, base_model)})
+                    "overrides": command, "sbatch": sbatch_line(p, command)})
     return out
 
 
@@ -463,7 +459,7 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
           file=sys.stderr)
     bar = ProgressBar(cfg.max_simulations, cfg.confirm)
     ran = confirm(candidates, results_dir / experiment_name(cluster), wanted=cfg.confirm, max_simulations=cfg.max_simulations,
-                  workers=cfg.simulate_workers or _cpus(), rank=cfg.simulate_rank, progress=bar)
+                  workers=cfg.simulate_workers or default_workers(), rank=cfg.simulate_rank, progress=bar)
     bar.close()
     plan_rows = rows(candidates, base_model)
     reused = sum(c.simulated_peak is not None or c.simulation_error is not None for c in candidates) - ran
@@ -481,7 +477,3 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
     md, csv_path = write_plan(plan_rows, text, folder)
     return plan_rows, text + f"\nwritten: {md}, {csv_path}\n"
 
-
-def _cpus() -> int:
-    import os
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -41,6 +41,18 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
     return [out[p.point_id] for p in points]
 
 
+def done_record(results_dir: Path, point: Point, rank: int) -> dict | None:
+    """The point's simulated record if it stands for this simulation (status ok or oom, the same
+    rank), else None. A point's id leaves its cluster out, while its verdict (device memory,
+    reserve) and "auto" precision depend on it: only a record of the same cluster and precision counts."""
+    existing = records.read_record(simulated_path(results_dir, point))
+    if existing and existing.get("config", {}).get("cluster") == point.cluster \
+            and existing.get("precision") == simulated_precision(point) \
+            and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank:
+        return existing
+    return None
+
+
 def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int = 0,
                         force: bool = False) -> int:
     """sweep.py simulate=true: every point simulated (those with an ok simulated record skipped
@@ -48,12 +60,7 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
     check_simulate_rank(points, rank)
     todo = []
     for point in points:
-        existing = records.read_record(simulated_path(results_dir, point))
-        # a point's id leaves its cluster out, while its verdict (device memory, reserve) and "auto"
-        # precision depend on it: only a record of the same cluster and precision counts as done
-        same_cluster = existing and existing.get("config", {}).get("cluster") == point.cluster \
-            and existing.get("precision") == simulated_precision(point)
-        if same_cluster and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank and not force:
+        if not force and done_record(results_dir, point, rank):
             print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
         else:
             todo.append(point)
