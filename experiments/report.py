@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.reports import figures, prediction_check, scorecard, tables, zero_r
+from experiments.reports import figures, gemm_check, prediction_check, scorecard, tables, zero_r
 from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError
@@ -38,7 +38,8 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
              "communication": tables.comm_table(records), "throughput_predicted": tables.throughput_predicted(records),
              "paper_claims": tables.paper_claims(records), "targets": tables.targets(), "sensitivity": tables.sensitivity(),
              "simulation": tables.simulation_table(records),
-             "largest": tables.largest_table(records)}
+             "largest": tables.largest_table(records), "gemm_check": gemm_check.gemm_check_table(),
+             "gemm_check_summary": gemm_check.gemm_check_summary(), "gemm_ceiling": gemm_check.gemm_ceiling_table()}
     if zero_r.fig7_records(records):  # Figure 7's tables where its points were simulated
         built.update(fig7_memory=zero_r.fig7_table(records), fig7_statements=zero_r.fig7_statements(records))
     built["scorecard"] = scorecard.scorecard(records)  # the README's, from the tables above

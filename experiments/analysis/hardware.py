@@ -76,9 +76,10 @@ CONF_CLUSTER = Path(__file__).resolve().parents[2] / "conf" / "cluster"
 
 _V100 = {
     "sms": "80 SMs: NVIDIA Tesla V100 GPU Architecture whitepaper (GV100 with 80 of 84 SMs enabled)",
-    "gemm_ceiling": "0.696 = 87/125: a large (8192^2) fp16 GEMM on a V100 with the 2017-2019 cuBLAS, "
-                    "'87 T ops/second' (yaroslavvb/tensorflow-community-wheels#44); torch 2.7 + cuBLAS 12.8 "
-                    "reaches 97.4 (zzc0721/torch-performance-test-data#140), a later stack than the paper's",
+    "gemm_ceiling": "0.816: the median, over DeepBench's 74 large fp16 GEMMs on a DGX-1 V100 with CUDA 10.1.243 "
+                    "(2019; results/external/deepbench_v100_fp16_gemm.csv), of the measured fraction of peak over "
+                    "gemm.py's tile and wave quantization of the shape (0.727-0.903; experiments/reports/gemm_check.py "
+                    "derives it, gemm_check.md sets every row beside the model)",
     "hbm_gb_per_s": "900: NVIDIA Tesla V100 datasheet (HBM2)",
     "hbm_fraction": "0.833 = 750/900: V100 global-memory bandwidth measured by microbenchmark, Jia, Maggioni, "
                     "Staiger, Scarpazza 2018, 'Dissecting the NVIDIA Volta GPU Architecture via "
