@@ -21,8 +21,10 @@ Per GPU and per step, with g micro-batches accumulated:
 - Pa: each layer's checkpoint all-gathered over the TP group before its recomputation; Pa+cpu:
   its partition to the host in forward and back in backward over PCIe; exposed.
 - optimizer: Adam with fp32 masters, memory bound: per parameter updated (Ψ at stage 0, Ψ/N at
-  1-3) the gradient read, master, momentum, variance read and written, the model-precision copy
-  written, plus the overflow check's and gradient norm's reads.
+  1-3) the passes of the system's optimizer step (systems.py: Megatron-LM 2019's FP16_Optimizer,
+  DeepSpeed 2020's ZeRO-2 step), plus its kernels per parameter tensor at the floor; by default
+  (zero_repro) the gradient read, master, momentum, variance read and written, the
+  model-precision copy written, and the overflow check's and gradient norm's reads.
 
 TFLOPs/GPU use the suite's FLOP convention (Narayanan et al. 2021 Eq. 3, flops.py), not the
 kernel FLOPs, so numbers compare with Megatron's and the paper's.
@@ -30,6 +32,7 @@ kernel FLOPs, so numbers compare with Megatron's and the paper's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from math import ceil
 
 from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
@@ -176,8 +179,21 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
 UNFUSED_ADAMW_EXTRA_BYTES = {"zero_repro": 80 - 28}
 
 
+def parameter_tensors(layers: int) -> int:
+    """Megatron's GPT parameter tensors: per layer 2 layernorms, QKV, projection, MLP up and down
+    (weight and bias each); the word and position embeddings (the logits reuse the word
+    embedding) and the final layernorm."""
+    return 12 * layers + 4
+
+
 def optimizer_s(x: StepInputs, hw: Hardware, system: str | None = None) -> float:
-    updated = x.psi if x.stage == 0 or x.dp <= 1 else x.psi / x.dp
+    partitioned = not (x.stage == 0 or x.dp <= 1)
+    updated = x.psi / x.dp if partitioned else x.psi
+    sys = SYSTEMS.get(system)
+    if sys is not None and sys.optimizer_passes is not None:
+        tensors = ceil(parameter_tensors(x.layers) / x.dp) if partitioned else parameter_tensors(x.layers)
+        return (updated * sum(sys.optimizer_passes(x.element_bytes).values()) / hw.stream_bytes_per_s
+                + tensors * sys.optimizer_kernels_per_tensor * hw.kernel_floor_s)
     per_param = optimizer_bytes_per_param(x.element_bytes) + UNFUSED_ADAMW_EXTRA_BYTES.get(system, 0)
     return updated * per_param / hw.stream_bytes_per_s
 

@@ -18,6 +18,12 @@ and what of it hides under backward: the collectives of one step, as they ran.
   (the default), the post-step all-gather at stages 1-2 in allgather_bucket_size buckets, and
   stage 3's per-layer gathers in forward and backward, prefetched under compute.
 
+Each system's optimizer step, as its code ran it (the passes over memory per updated element
+and the kernels per parameter tensor, `optimizer_passes`): Megatron-LM 2019's FP16_Optimizer
+(also what the paper's DDP baseline stepped with: it ran Megatron's training loop) walks the
+parameters one tensor at a time; DeepSpeed 2020's ZeRO-2 steps its flat fp32 partition after
+per-tensor overflow and norm checks; zero_repro's is step_time.optimizer_bytes_per_param.
+
 A record of the suite's engine brings its own counts (calls and bytes per purpose): those
 replace the formula.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import ceil
+from typing import Callable
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20   # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
 DEEPSPEED_BUCKET = 500_000_000    # reduce_bucket_size = allgather_bucket_size = 5e8 (DeepSpeed 2020 defaults)
@@ -41,19 +48,66 @@ class System:
     overlap: bool                 # default: gradient collectives launched during backward
     grad_copy_passes: int         # read+write passes over the local gradients per reduction
     source: str
+    # the optimizer step: element bytes -> {pass: bytes per updated element}, and kernels (host
+    # syncs included) per parameter tensor updated; None: step_time's default fused-Adam count
+    optimizer_passes: Callable[[int], dict[str, int]] | None = None
+    optimizer_kernels_per_tensor: int = 0
+    grad_copies_without_dp: bool = False   # the gradient copies run at DP 1 too
+
+
+def fp16_optimizer_2019_passes(e: int) -> dict[str, int]:
+    """Megatron-LM 2019's optimizer step per parameter element (@ a1d04b79: fp16/fp16.py,
+    fp16util.py, loss_scaler.py, mpu/grads.py; apex FusedAdam), e the model's element bytes.
+    Its zero_grad zeroes the gradients rather than dropping them, so backward's AccumulateGrad
+    adds into them (torch 1.x, accumulate_grad.cpp) instead of stealing the new gradient. In
+    fp32 there is no FP16_Optimizer: zero, accumulate, norm and Adam."""
+    if e >= 4:
+        return {"zero_grad": 4, "AccumulateGrad into the zeroed grad": 12, "grad norm": 4, "FusedAdam": 28}
+    return {"zero_grad: master and model grads": 4 + e,
+            "AccumulateGrad into the zeroed grad": 3 * e,
+            "overflow check: grad.float().sum()": e + 4 + 4,
+            "model grads to master grads": e + 4,
+            "unscale: master grad mul_": 8,
+            "grad norm: master grad norm": 4,
+            "FusedAdam: grad, master, m, v read, master, m, v written": 28,
+            "master params to model params": 4 + e}
+
+
+# per tensor: 2 zero_, the accumulate, float, sum, copy, mul_, norm, Adam, copy, and the two
+# host syncs (the overflow check's float(), the norm's .item()), each a D2H copy the GPU waits on
+FP16_OPTIMIZER_2019_KERNELS = 12
+
+
+def deepspeed_2020_passes(e: int) -> dict[str, int]:
+    """DeepSpeed 2020's ZeRO-2 step per element of its partition (deepspeed_zero_optimizer.py
+    @ 97787881, step): the overflow check and the norm on each partitioned gradient, the
+    flatten and fp32 conversion, the unscale-and-clip, FusedAdam on the flat fp32 partition,
+    and the fp16 partition copied back (then all-gathered: DpPlan)."""
+    return {"overflow check: grad.float().sum()": e + 4 + 4,
+            "grad norm: grad.double().norm()": e + 8 + 8,
+            "flatten, to fp32": 2 * e + e + 4,
+            "unscale and clip: mul_": 8,
+            "FusedAdam on the flat partition": 28,
+            "fp32 partition to the fp16 partition": 4 + e}
+
+
+# per partitioned tensor: float, sum, double, norm and the two host syncs (float(), .item())
+DEEPSPEED_2020_KERNELS = 6
 
 
 SYSTEMS = {
     "megatron2019": System("megatron2019", "Megatron-LM 2019", (0,), False, 3,
                            "Megatron-LM model/distributed.py @ a1d04b79: flatten, divide, one blocking all_reduce "
-                           "after backward, copy back"),
+                           "after backward, copy back (at DP 1 too); FP16_Optimizer",
+                           fp16_optimizer_2019_passes, FP16_OPTIMIZER_2019_KERNELS, grad_copies_without_dp=True),
     "deepspeed2020": System("deepspeed2020", "ZeRO-100B (DeepSpeed 2020)", (0, 1, 2), False, 2,
                             "DeepSpeed deepspeed_zero_optimizer.py @ 97787881: bucket copy and divide, one "
                             "dist.reduce per partition a 5e8 bucket overlaps; overlap_comm False; all_gather after "
-                            "the step"),
+                            "the step", deepspeed_2020_passes, DEEPSPEED_2020_KERNELS),
     "pytorch_ddp": System("pytorch_ddp", "PyTorch DDP", (0,), True, 2,
                           "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets copied in and out, all-reduced "
-                          "during backward"),
+                          "during backward; Megatron-LM 2019's FP16_Optimizer",
+                          fp16_optimizer_2019_passes, FP16_OPTIMIZER_2019_KERNELS),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
                          "all-gather, stage 3 prefetch"),
@@ -103,7 +157,8 @@ def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, ele
     after: list[tuple[str, float]] = []
     per_micro: list[tuple[str, float]] = []
     if dp <= 1:
-        return DpPlan((), reductions, (), (), 0.0, 0)
+        kept = system.grad_copies_without_dp
+        return DpPlan((), reductions, (), (), copies if kept else 0.0, system.grad_copy_passes if kept else 0)
     if system.name == "megatron2019":
         grads = [("all_reduce", psi * e)]
     elif system.name == "pytorch_ddp":

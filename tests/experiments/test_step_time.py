@@ -69,7 +69,11 @@ def test_phases_and_the_terms_they_give():
     p = st.predict(x, HW, "megatron2019")
     total = phases["forward"] + phases["recompute"] + phases["backward"]
     assert p.terms["compute_gemm"] == pytest.approx(total.gemm_s)
-    assert p.terms["kernel_floors"] == pytest.approx(total.floors_s)
+    # Megatron-LM 2019 flattens, divides and copies back its gradients at DP 1 too (LocalDDP):
+    # 3 read+write passes over Ψ fp16 gradients, 3 kernels
+    assert p.terms["compute_memory_bound"] == pytest.approx(total.memory_bound_s + 3 * 2 * 1e9 * 2 / 500e9)
+    assert p.terms["kernel_floors"] == pytest.approx(total.floors_s + 3 * 10e-6)
+    assert st.predict(x, HW, "pytorch_ddp").terms["kernel_floors"] == pytest.approx(total.floors_s)
     assert (p.terms["tp_comm"], p.terms["dp_comm_exposed"]) == (0.0, 0.0)
     assert p.step_s == pytest.approx(sum(p.terms.values()))
     assert p.tflops_per_gpu == pytest.approx(st.flops_per_gpu(x) / p.step_s / 1e12)
@@ -131,6 +135,20 @@ def test_pa_offload_and_optimizer():
     assert st.optimizer_bytes_per_param(2) == 32 and st.optimizer_bytes_per_param(4) == 32
     assert st.optimizer_s(inputs(stage=2), HW) == pytest.approx(1e9 / 4 * 32 / 500e9)
     assert st.optimizer_s(inputs(stage=0), HW) == pytest.approx(1e9 * 32 / 500e9)
+
+
+def test_each_systems_optimizer_step_as_its_code_ran():
+    # Megatron-LM 2019's FP16_Optimizer, fp16: zero_grad 4+2, AccumulateGrad 3x2, overflow check
+    # 2+4+4, grads to masters 2+4, unscale 8, norm 4, FusedAdam 28, masters to params 4+2 = 74 B per
+    # parameter; 12 kernels on each of the 12·10 + 4 tensors at the 10 us floor
+    assert sum(systems.fp16_optimizer_2019_passes(2).values()) == 74
+    assert st.parameter_tensors(10) == 124
+    assert st.optimizer_s(inputs(stage=0), HW, "megatron2019") == pytest.approx(1e9 * 74 / 500e9 + 124 * 12 * 10e-6)
+    assert st.optimizer_s(inputs(stage=0), HW, "pytorch_ddp") == st.optimizer_s(inputs(stage=0), HW, "megatron2019")
+    # DeepSpeed 2020's ZeRO-2, on its partition (Ψ/4, a quarter of the tensors): overflow check
+    # 2+4+4, norm in fp64 2+8+8, flatten and to fp32 2·2+2+4, unscale 8, FusedAdam 28, copy back 4+2
+    assert sum(systems.deepspeed_2020_passes(2).values()) == 80
+    assert st.optimizer_s(inputs(stage=2), HW, "deepspeed2020") == pytest.approx(1e9 / 4 * 80 / 500e9 + 31 * 6 * 10e-6)
 
 
 def test_a_system_rejects_stages_it_never_ran():
