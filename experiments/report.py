@@ -37,6 +37,7 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
              "throughput": tables.throughput_table(records), "memory": tables.memory_table(records),
              "communication": tables.comm_table(records), "throughput_predicted": tables.throughput_predicted(records),
              "paper_claims": tables.paper_claims(records), "targets": tables.targets(), "sensitivity": tables.sensitivity(),
+             "measured_steps": tables.measured_steps(),
              "simulation": tables.simulation_table(records),
              "largest": tables.largest_table(records), "gemm_check": gemm_check.gemm_check_table(),
              "gemm_check_summary": gemm_check.gemm_check_summary(), "gemm_ceiling": gemm_check.gemm_ceiling_table()}

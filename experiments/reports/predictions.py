@@ -471,6 +471,30 @@ def megatron_check(hardware=None) -> st.StepTime:
     return st.predict(x, hardware or profile(MEGATRON_CLUSTER), "megatron2019")
 
 
+MEASURED_STEPS_CSV = REPO / "results" / "external" / "megatron_lm_steps.csv"
+
+
+def measured_steps_table() -> pd.DataFrame:
+    """Megatron-LM's own step times for its 1.2B point (results/external/megatron_lm_steps.csv)
+    beside the model's: a check of the step time itself, whatever either side counts as a FLOP.
+    Only the 2019 unfused layer is modelled (system megatron2019); v1.0's fused layer is not."""
+    predicted = megatron_check()
+    rows = []
+    with open(MEASURED_STEPS_CSV) as f:
+        for r in csv.DictReader(f):
+            measured_s = float(r["iteration_ms"]) / 1e3
+            modelled = r["system"] == "megatron2019"
+            rows.append({"step": r["label"], "GPUs": int(r["gpus"]), "batch": int(r["batch"]),
+                         "measured s": measured_s, "provenance": r["provenance"],
+                         "stated TFLOPs": float(r["tflops_stated"]),
+                         "stated FLOPs per step": float(r["tflops_stated"]) * 1e12 * measured_s,
+                         "Eq. 3 FLOPs per step": predicted.flops_per_gpu,
+                         "Eq. 3 TFLOPs at the measured step": round(predicted.flops_per_gpu / measured_s / 1e12, 2),
+                         "predicted s": round(predicted.step_s, 3) if modelled else "-",
+                         "predicted / measured": round(predicted.step_s / measured_s, 3) if modelled else "-"})
+    return pd.DataFrame(rows)
+
+
 def headlines(paper_hw=None, megatron_hw=None) -> dict[str, st.StepTime | float]:
     """Each target's predicted value (and the step behind it, where one step gives it)."""
     pred = {(p.experiment, _series(p), _x(p)): paper_prediction(p, paper_hw) for e in ("fig2", "fig3", "fig4")

@@ -372,6 +372,12 @@ def targets() -> pd.DataFrame:
     return targets_table()
 
 
+def measured_steps() -> pd.DataFrame:
+    """Megatron-LM's measured 1.2B step beside the model's (reports/predictions.py)."""
+    from experiments.reports.predictions import measured_steps_table
+    return measured_steps_table()
+
+
 def sensitivity() -> pd.DataFrame:
     """Each target's prediction with every uncertain constant moved +-20% (reports/predictions.py)."""
     from experiments.reports.predictions import sensitivity_table
