@@ -487,8 +487,8 @@ def measured_steps_table() -> pd.DataFrame:
             rows.append({"step": r["label"], "GPUs": int(r["gpus"]), "batch": int(r["batch"]),
                          "measured s": measured_s, "provenance": r["provenance"],
                          "stated TFLOPs": float(r["tflops_stated"]),
-                         "stated FLOPs per step": float(r["tflops_stated"]) * 1e12 * measured_s,
-                         "Eq. 3 FLOPs per step": predicted.flops_per_gpu,
+                         "stated TFLOP per step": round(float(r["tflops_stated"]) * measured_s, 2),
+                         "Eq. 3 TFLOP per step": round(predicted.flops_per_gpu / 1e12, 2),
                          "Eq. 3 TFLOPs at the measured step": round(predicted.flops_per_gpu / measured_s / 1e12, 2),
                          "predicted s": round(predicted.step_s, 3) if modelled else "-",
                          "predicted / measured": round(predicted.step_s / measured_s, 3) if modelled else "-"})
