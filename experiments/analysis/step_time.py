@@ -38,7 +38,7 @@ from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
 from experiments.analysis.kernels import ComputeTime, LayerShape, compute_time, step_kernels
 from experiments.analysis.nccl import concurrent_groups
-from experiments.analysis.systems import SYSTEMS, DpPlan, dp_plan, record_plan
+from experiments.analysis.systems import SYSTEMS, DpPlan, dp_plan, parameter_tensors, record_plan
 
 TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "pa", "offload",
          "optimizer")
@@ -179,23 +179,20 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
 UNFUSED_ADAMW_EXTRA_BYTES = {"zero_repro": 80 - 28}
 
 
-def parameter_tensors(layers: int) -> int:
-    """Megatron's GPT parameter tensors: per layer 2 layernorms, QKV, projection, MLP up and down
-    (weight and bias each); the word and position embeddings (the logits reuse the word
-    embedding) and the final layernorm."""
-    return 12 * layers + 4
-
-
 def optimizer_s(x: StepInputs, hw: Hardware, system: str | None = None) -> float:
     partitioned = not (x.stage == 0 or x.dp <= 1)
     updated = x.psi / x.dp if partitioned else x.psi
     sys = SYSTEMS.get(system)
-    if sys is not None and sys.optimizer_passes is not None:
-        tensors = ceil(parameter_tensors(x.layers) / x.dp) if partitioned else parameter_tensors(x.layers)
-        return (updated * sum(sys.optimizer_passes(x.element_bytes).values()) / hw.stream_bytes_per_s
-                + tensors * sys.optimizer_kernels_per_tensor * hw.kernel_floor_s)
-    per_param = optimizer_bytes_per_param(x.element_bytes) + UNFUSED_ADAMW_EXTRA_BYTES.get(system, 0)
-    return updated * per_param / hw.stream_bytes_per_s
+    if sys is None or sys.optimizer is None:
+        per_param = optimizer_bytes_per_param(x.element_bytes) + UNFUSED_ADAMW_EXTRA_BYTES.get(system, 0)
+        return updated * per_param / hw.stream_bytes_per_s
+    step = sys.optimizer(x.element_bytes, x.stage)
+    tensors = parameter_tensors(x.layers)
+    updated_tensors = ceil(tensors / x.dp) if partitioned else tensors
+    bytes_moved = x.psi * sum(step.local_passes.values()) + updated * sum(step.updated_passes.values())
+    kernels = (tensors * step.kernels_per_local_tensor + updated_tensors * step.kernels_per_updated_tensor
+               + step.kernels_per_step)
+    return bytes_moved / hw.stream_bytes_per_s + kernels * hw.kernel_floor_s
 
 
 def plan(x: StepInputs, system: str) -> DpPlan:

@@ -18,11 +18,11 @@ and what of it hides under backward: the collectives of one step, as they ran.
   (the default), the post-step all-gather at stages 1-2 in allgather_bucket_size buckets, and
   stage 3's per-layer gathers in forward and backward, prefetched under compute.
 
-Each system's optimizer step, as its code ran it (the passes over memory per updated element
-and the kernels per parameter tensor, `optimizer_passes`): Megatron-LM 2019's FP16_Optimizer
-(also what the paper's DDP baseline stepped with: it ran Megatron's training loop) walks the
-parameters one tensor at a time; DeepSpeed 2020's ZeRO-2 steps its flat fp32 partition after
-per-tensor overflow and norm checks; zero_repro's is step_time.optimizer_bytes_per_param.
+Each system's optimizer step, as its code ran it (OptimizerStep: passes over memory per element
+and kernels per parameter tensor): Megatron-LM 2019's FP16_Optimizer walks the parameters one
+tensor at a time (the paper's DDP baseline is assumed to step with it: Megatron's training loop
+with torch DDP); DeepSpeed 2020's steps by stage, per-tensor overflow and norm checks before a
+flat fused Adam; zero_repro's is step_time.optimizer_bytes_per_param.
 
 A record of the suite's engine brings its own counts (calls and bytes per purpose): those
 replace the formula.
@@ -48,69 +48,106 @@ class System:
     overlap: bool                 # default: gradient collectives launched during backward
     grad_copy_passes: int         # read+write passes over the local gradients per reduction
     source: str
-    # the optimizer step: element bytes -> {pass: bytes per updated element}, and kernels (host
-    # syncs included) per parameter tensor updated; None: step_time's default fused-Adam count
-    optimizer_passes: Callable[[int], dict[str, int]] | None = None
-    optimizer_kernels_per_tensor: int = 0
-    grad_copies_without_dp: bool = False   # the gradient copies run at DP 1 too
+    grad_copy_kernels_per_tensor: int     # of the copies: kernels per parameter tensor ...
+    grad_copy_kernels_per_reduction: int  # ... and per reduction (flatten, divide)
+    # the optimizer step: (element bytes, stage) -> its passes and kernels; None: step_time's
+    # default fused-Adam count
+    optimizer: Callable[[int, int], OptimizerStep] | None = None
+    grad_copies_without_dp: bool = False  # the gradient copies run at DP 1 too
 
 
-def fp16_optimizer_2019_passes(e: int) -> dict[str, int]:
-    """Megatron-LM 2019's optimizer step per parameter element (@ a1d04b79: fp16/fp16.py,
-    fp16util.py, loss_scaler.py, mpu/grads.py; apex FusedAdam), e the model's element bytes.
+def parameter_tensors(layers: int) -> int:
+    """Megatron's GPT parameter tensors: per layer 2 layernorms, QKV, projection, MLP up and down
+    (weight and bias each); the word and position embeddings (the logits reuse the word
+    embedding) and the final layernorm."""
+    return 12 * layers + 4
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """One optimizer step's memory passes (bytes per element, by pass) and kernels: over every
+    local gradient (Ψ per TP rank, all its tensors) and over the elements this rank updates (its
+    partition at stages 1-3, Ψ at stage 0); the kernels are per parameter tensor of each and per
+    step, host syncs counted as kernels (a D2H copy the GPU waits on)."""
+
+    local_passes: dict[str, int]
+    updated_passes: dict[str, int]
+    kernels_per_local_tensor: int = 0
+    kernels_per_updated_tensor: int = 0
+    kernels_per_step: int = 0
+
+
+def fp16_optimizer_2019(e: int, stage: int) -> OptimizerStep:
+    """Megatron-LM 2019's optimizer step (@ a1d04b79: fp16/fp16.py, fp16util.py, loss_scaler.py,
+    mpu/grads.py; apex FusedAdam), one parameter tensor at a time, e the model's element bytes.
     Its zero_grad zeroes the gradients rather than dropping them, so backward's AccumulateGrad
-    adds into them (torch 1.x, accumulate_grad.cpp) instead of stealing the new gradient. In
-    fp32 there is no FP16_Optimizer: zero, accumulate, norm and Adam."""
+    adds into them (torch 1.x accumulate_grad.cpp) instead of taking the new gradient. Per tensor:
+    2 zero_, the accumulate, float, sum, copy, mul_, norm, Adam, copy, and the two host syncs
+    (the overflow check's float(), the norm's .item()): 12. In fp32 there is no FP16_Optimizer:
+    zero, accumulate, norm and its .item(), Adam: 5. The clip's mul_ (only when the norm exceeds
+    --clip-grad) and the overflow and norm all-reduces over the MP group (a few bytes) are not
+    counted."""
     if e >= 4:
-        return {"zero_grad": 4, "AccumulateGrad into the zeroed grad": 12, "grad norm": 4, "FusedAdam": 28}
-    return {"zero_grad: master and model grads": 4 + e,
-            "AccumulateGrad into the zeroed grad": 3 * e,
-            "overflow check: grad.float().sum()": e + 4 + 4,
-            "model grads to master grads": e + 4,
-            "unscale: master grad mul_": 8,
-            "grad norm: master grad norm": 4,
-            "FusedAdam: grad, master, m, v read, master, m, v written": 28,
-            "master params to model params": 4 + e}
+        return OptimizerStep({}, {"zero_grad": 4, "AccumulateGrad into the zeroed grad": 12, "grad norm": 4,
+                                  "FusedAdam": 28}, kernels_per_updated_tensor=5)
+    return OptimizerStep({}, {"zero_grad: master and model grads": 4 + e,
+                              "AccumulateGrad into the zeroed grad": 3 * e,
+                              "overflow check: grad.float().sum()": e + 4 + 4,
+                              "model grads to master grads": e + 4,
+                              "unscale: master grad mul_": 8,
+                              "grad norm: master grad norm": 4,
+                              "FusedAdam: grad, master, m, v read, master, m, v written": 28,
+                              "master params to model params": 4 + e}, kernels_per_updated_tensor=12)
 
 
-# per tensor: 2 zero_, the accumulate, float, sum, copy, mul_, norm, Adam, copy, and the two
-# host syncs (the overflow check's float(), the norm's .item()), each a D2H copy the GPU waits on
-FP16_OPTIMIZER_2019_KERNELS = 12
+def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
+    """DeepSpeed 2020's step (@ 97787881), by stage:
 
+    - 0, pt/fp16_optimizer.py (step_fused_adam): the gradients flattened, one norm of the flat
+      buffer as the overflow check, FusedAdam on the flat fp32 master writing the fp16 copy;
+    - 1, pt/zero_optimizer_stage1.py (step): the overflow check (grad.float().sum(), a host sync)
+      and the norm (grad.float().norm(), .item()) on every local gradient tensor, then its
+      sub-partition flattened and converted to fp32, unscaled, FusedAdam, copied to fp16;
+    - 2, pt/deepspeed_zero_optimizer.py (step): the overflow check and the fp64 norm on each of
+      its partition's gradient tensors, the flatten and fp32 conversion, the unscale-and-clip,
+      FusedAdam on the flat fp32 partition, the fp16 partition copied back.
 
-def deepspeed_2020_passes(e: int) -> dict[str, int]:
-    """DeepSpeed 2020's ZeRO-2 step per element of its partition (deepspeed_zero_optimizer.py
-    @ 97787881, step): the overflow check and the norm on each partitioned gradient, the
-    flatten and fp32 conversion, the unscale-and-clip, FusedAdam on the flat fp32 partition,
-    and the fp16 partition copied back (then all-gathered: DpPlan)."""
-    return {"overflow check: grad.float().sum()": e + 4 + 4,
-            "grad norm: grad.double().norm()": e + 8 + 8,
-            "flatten, to fp32": 2 * e + e + 4,
-            "unscale and clip: mul_": 8,
-            "FusedAdam on the flat partition": 28,
-            "fp32 partition to the fp16 partition": 4 + e}
-
-
-# per partitioned tensor: float, sum, double, norm and the two host syncs (float(), .item())
-DEEPSPEED_2020_KERNELS = 6
+    The post-step all-gathers are DpPlan's."""
+    if stage == 0:
+        return OptimizerStep({}, {"flatten": 2 * e, "norm of the flat grads: float().norm()": e + 4 + 4,
+                                  "FusedAdam: grad, master, m, v read, master, m, v, fp16 copy written": 24 + 2 * e},
+                             kernels_per_step=5)
+    if stage == 1:
+        return OptimizerStep({"overflow check: grad.float().sum()": e + 4 + 4, "grad norm: grad.float().norm()": e + 4 + 4},
+                             {"flatten, to fp32": 2 * e + e + 4, "unscale and clip: mul_": 8,
+                              "FusedAdam on the sub-partition": 28, "fp32 sub-partition to fp16": 4 + e},
+                             kernels_per_local_tensor=6, kernels_per_step=5)
+    return OptimizerStep({}, {"overflow check: grad.float().sum()": e + 4 + 4,
+                              "grad norm: grad.double().norm()": e + 8 + 8,
+                              "flatten, to fp32": 2 * e + e + 4,
+                              "unscale and clip: mul_": 8,
+                              "FusedAdam on the flat partition": 28,
+                              "fp32 partition to the fp16 partition": 4 + e},
+                         kernels_per_updated_tensor=6, kernels_per_step=5)
 
 
 SYSTEMS = {
     "megatron2019": System("megatron2019", "Megatron-LM 2019", (0,), False, 3,
                            "Megatron-LM model/distributed.py @ a1d04b79: flatten, divide, one blocking all_reduce "
-                           "after backward, copy back (at DP 1 too); FP16_Optimizer",
-                           fp16_optimizer_2019_passes, FP16_OPTIMIZER_2019_KERNELS, grad_copies_without_dp=True),
+                           "after backward, copy back one tensor at a time (at DP 1 too); FP16_Optimizer",
+                           1, 2, fp16_optimizer_2019, grad_copies_without_dp=True),
     "deepspeed2020": System("deepspeed2020", "ZeRO-100B (DeepSpeed 2020)", (0, 1, 2), False, 2,
                             "DeepSpeed deepspeed_zero_optimizer.py @ 97787881: bucket copy and divide, one "
                             "dist.reduce per partition a 5e8 bucket overlaps; overlap_comm False; all_gather after "
-                            "the step", deepspeed_2020_passes, DEEPSPEED_2020_KERNELS),
+                            "the step", 1, 1, deepspeed_2020),
     "pytorch_ddp": System("pytorch_ddp", "PyTorch DDP", (0,), True, 2,
-                          "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets copied in and out, all-reduced "
-                          "during backward; Megatron-LM 2019's FP16_Optimizer",
-                          fp16_optimizer_2019_passes, FP16_OPTIMIZER_2019_KERNELS),
+                          "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets, each gradient copied in and out, "
+                          "all-reduced during backward; stepped by Megatron-LM 2019's FP16_Optimizer [assumption: "
+                          "the paper's DDP baseline ran Megatron's training loop with torch DDP]",
+                          2, 0, fp16_optimizer_2019),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
-                         "all-gather, stage 3 prefetch"),
+                         "all-gather, stage 3 prefetch", 0, 1),
 }
 
 
@@ -147,6 +184,11 @@ def _reduces_per_partition(psi: float, dp: int, bucket: float, e: int) -> list[t
     return calls
 
 
+def grad_copy_kernels(system: System, layers: int) -> int:
+    """Kernels of one reduction's gradient copies."""
+    return system.grad_copy_kernels_per_tensor * parameter_tensors(layers) + system.grad_copy_kernels_per_reduction
+
+
 def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, element_bytes: int,
             grad_accum: int, reduce_bucket: float, allgather_bucket: float) -> DpPlan:
     """The DP collectives of one step of `system` (module docstring); psi = the parameters one
@@ -154,11 +196,12 @@ def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, ele
     e = element_bytes
     reductions = grad_accum if stage >= 2 else 1
     copies = system.grad_copy_passes * 2 * psi * e
+    kernels = grad_copy_kernels(system, layers)
     after: list[tuple[str, float]] = []
     per_micro: list[tuple[str, float]] = []
     if dp <= 1:
         kept = system.grad_copies_without_dp
-        return DpPlan((), reductions, (), (), copies if kept else 0.0, system.grad_copy_passes if kept else 0)
+        return DpPlan((), reductions, (), (), copies if kept else 0.0, kernels if kept else 0)
     if system.name == "megatron2019":
         grads = [("all_reduce", psi * e)]
     elif system.name == "pytorch_ddp":
@@ -177,7 +220,7 @@ def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, ele
             after = [("all_gather", b * e) for b in _chunks(psi, allgather_bucket)]
         if stage == 3:
             per_micro = [("all_gather", psi / layers * e)] * (2 * layers)   # each layer: forward and backward
-    return DpPlan(tuple(grads), reductions, tuple(after), tuple(per_micro), copies, system.grad_copy_passes)
+    return DpPlan(tuple(grads), reductions, tuple(after), tuple(per_micro), copies, kernels)
 
 
 def record_plan(system: System, by_purpose: dict, stage: int, grad_accum: int, element_bytes: int,
@@ -198,4 +241,4 @@ def record_plan(system: System, by_purpose: dict, stage: int, grad_accum: int, e
     param_calls = calls(params, "all_gather", grad_accum if stage == 3 else 1, False)
     copies = system.grad_copy_passes * 2 * psi * element_bytes if grad_calls else 0.0
     return DpPlan(grad_calls, reductions, param_calls if stage in (1, 2) else (),
-                  param_calls if stage == 3 else (), copies, system.grad_copy_passes if grad_calls else 0)
+                  param_calls if stage == 3 else (), copies, grad_copy_kernels(system, layers) if grad_calls else 0)

@@ -477,8 +477,14 @@ MEASURED_STEPS_CSV = REPO / "results" / "external" / "megatron_lm_steps.csv"
 def measured_steps_table() -> pd.DataFrame:
     """Megatron-LM's own step times for its 1.2B point (results/external/megatron_lm_steps.csv)
     beside the model's: a check of the step time itself, whatever either side counts as a FLOP.
-    Only the 2019 unfused layer is modelled (system megatron2019); v1.0's fused layer is not."""
+    Only the 2019 unfused layer is modelled (system megatron2019); v1.0's fused layer is not. The
+    last columns bound what the GEMMs could add: the same prediction with the ceiling of the
+    slowest large GEMM DeepBench measured (gemm_check.py)."""
+    from experiments.analysis.hardware import from_cluster
+    from experiments.reports.gemm_check import reached_ceilings
     predicted = megatron_check()
+    slowest = round(min(reached_ceilings()), 3)
+    at_slowest = megatron_check(from_cluster({**load_cluster(MEGATRON_CLUSTER), "gemm_ceiling": slowest}))
     rows = []
     with open(MEASURED_STEPS_CSV) as f:
         for r in csv.DictReader(f):
@@ -491,7 +497,9 @@ def measured_steps_table() -> pd.DataFrame:
                          "Eq. 3 TFLOP per step": round(predicted.flops_per_gpu / 1e12, 2),
                          "Eq. 3 TFLOPs at the measured step": round(predicted.flops_per_gpu / measured_s / 1e12, 2),
                          "predicted s": round(predicted.step_s, 3) if modelled else "-",
-                         "predicted / measured": round(predicted.step_s / measured_s, 3) if modelled else "-"})
+                         "predicted / measured": round(predicted.step_s / measured_s, 3) if modelled else "-",
+                         f"predicted s, ceiling {slowest}": round(at_slowest.step_s, 3) if modelled else "-",
+                         f"/ measured, ceiling {slowest}": round(at_slowest.step_s / measured_s, 3) if modelled else "-"})
     return pd.DataFrame(rows)
 
 

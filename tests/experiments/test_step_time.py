@@ -70,9 +70,10 @@ def test_phases_and_the_terms_they_give():
     total = phases["forward"] + phases["recompute"] + phases["backward"]
     assert p.terms["compute_gemm"] == pytest.approx(total.gemm_s)
     # Megatron-LM 2019 flattens, divides and copies back its gradients at DP 1 too (LocalDDP):
-    # 3 read+write passes over Ψ fp16 gradients, 3 kernels
+    # 3 read+write passes over Ψ fp16 gradients; the flatten, the divide, and a copy back per
+    # parameter tensor (12·10 + 4)
     assert p.terms["compute_memory_bound"] == pytest.approx(total.memory_bound_s + 3 * 2 * 1e9 * 2 / 500e9)
-    assert p.terms["kernel_floors"] == pytest.approx(total.floors_s + 3 * 10e-6)
+    assert p.terms["kernel_floors"] == pytest.approx(total.floors_s + (2 + 124) * 10e-6)
     assert st.predict(x, HW, "pytorch_ddp").terms["kernel_floors"] == pytest.approx(total.floors_s)
     assert (p.terms["tp_comm"], p.terms["dp_comm_exposed"]) == (0.0, 0.0)
     assert p.step_s == pytest.approx(sum(p.terms.values()))
@@ -141,14 +142,24 @@ def test_each_systems_optimizer_step_as_its_code_ran():
     # Megatron-LM 2019's FP16_Optimizer, fp16: zero_grad 4+2, AccumulateGrad 3x2, overflow check
     # 2+4+4, grads to masters 2+4, unscale 8, norm 4, FusedAdam 28, masters to params 4+2 = 74 B per
     # parameter; 12 kernels on each of the 12·10 + 4 tensors at the 10 us floor
-    assert sum(systems.fp16_optimizer_2019_passes(2).values()) == 74
-    assert st.parameter_tensors(10) == 124
+    assert sum(systems.fp16_optimizer_2019(2, 0).updated_passes.values()) == 74
+    assert systems.parameter_tensors(10) == 124
     assert st.optimizer_s(inputs(stage=0), HW, "megatron2019") == pytest.approx(1e9 * 74 / 500e9 + 124 * 12 * 10e-6)
     assert st.optimizer_s(inputs(stage=0), HW, "pytorch_ddp") == st.optimizer_s(inputs(stage=0), HW, "megatron2019")
-    # DeepSpeed 2020's ZeRO-2, on its partition (Ψ/4, a quarter of the tensors): overflow check
-    # 2+4+4, norm in fp64 2+8+8, flatten and to fp32 2·2+2+4, unscale 8, FusedAdam 28, copy back 4+2
-    assert sum(systems.deepspeed_2020_passes(2).values()) == 80
-    assert st.optimizer_s(inputs(stage=2), HW, "deepspeed2020") == pytest.approx(1e9 / 4 * 80 / 500e9 + 31 * 6 * 10e-6)
+    # in fp32 there is no FP16_Optimizer: zero 4, accumulate 12, norm 4, Adam 28; 5 kernels a tensor
+    assert st.optimizer_s(inputs(stage=0, element_bytes=4), HW, "megatron2019") == pytest.approx(
+        1e9 * 48 / 500e9 + 124 * 5 * 10e-6)
+    # DeepSpeed 2020 by stage, DP 4. Stage 2 on its partition (Ψ/4, a quarter of the tensors):
+    # overflow check 2+4+4, norm in fp64 2+8+8, flatten and to fp32 2·2+2+4, unscale 8, FusedAdam
+    # 28, copy back 4+2 = 80 B; 6 kernels a partitioned tensor, 5 a step
+    assert st.optimizer_s(inputs(stage=2), HW, "deepspeed2020") == pytest.approx(
+        1e9 / 4 * 80 / 500e9 + (31 * 6 + 5) * 10e-6)
+    # stage 1 checks overflow and norm on every local gradient (2+4+4 each, 6 kernels a tensor),
+    # then steps its sub-partition: flatten and to fp32 10, unscale 8, FusedAdam 28, copy back 6
+    assert st.optimizer_s(inputs(stage=1), HW, "deepspeed2020") == pytest.approx(
+        1e9 * 20 / 500e9 + 1e9 / 4 * 52 / 500e9 + (124 * 6 + 5) * 10e-6)
+    # stage 0 steps the flat buffer: flatten 2·2, one norm 2+4+4, FusedAdam with the fp16 copy 24+2·2
+    assert st.optimizer_s(inputs(stage=0), HW, "deepspeed2020") == pytest.approx(1e9 * 42 / 500e9 + 5 * 10e-6)
 
 
 def test_a_system_rejects_stages_it_never_ran():
