@@ -124,9 +124,9 @@ def main(cfg: DictConfig) -> None:
     if cfg.format == "json":
         print(json.dumps(rows if experiment else rows[0], indent=1, default=list))
     elif cfg.format == "kernels":
-        for (point, x, *_), row in zip(targets(cfg), rows):
-            print(f"{point.describe()}: one layer and the head, per GPU, on {hw.name}")
-            print(_kernels_text(st.kernel_table(x, hw)))
+        for (point, x, system, _), row in zip(targets(cfg), rows):
+            print(f"{point.describe()}: one layer and the head, per GPU, on {hw.name}, as {system} runs them")
+            print(_kernels_text(st.kernel_table(x, hw, system)))
     else:
         print(_table(rows) if experiment else _point_text(rows[0]))
 

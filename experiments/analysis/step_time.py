@@ -130,9 +130,16 @@ def flops_per_gpu(x: StepInputs) -> float:
                                      hidden=x.hidden, vocab=x.vocab, recompute=x.recompute) / x.tp
 
 
-def micro_batch_compute(x: StepInputs, hw: Hardware) -> dict[str, ComputeTime]:
-    """One micro-batch's kernels by phase (forward, recompute, backward)."""
-    return {phase: compute_time(kernels, hw) for phase, kernels in step_kernels(x.shape(), x.layers, x.recompute).items()}
+def pointwise_fraction(x: StepInputs, system: str | None) -> float:
+    """The fraction of the streaming rate the system's pointwise kernels reach at x's precision."""
+    return SYSTEMS[system].half_pointwise_fraction if system in SYSTEMS and x.element_bytes == 2 else 1.0
+
+
+def micro_batch_compute(x: StepInputs, hw: Hardware, system: str | None = None) -> dict[str, ComputeTime]:
+    """One micro-batch's kernels by phase (forward, recompute, backward), as `system` runs them."""
+    fraction = pointwise_fraction(x, system)
+    return {phase: compute_time(kernels, hw, fraction)
+            for phase, kernels in step_kernels(x.shape(), x.layers, x.recompute).items()}
 
 
 def tp_comm_s(x: StepInputs, hw: Hardware) -> float:
@@ -222,7 +229,8 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str, phases: dict[str, ComputeT
     reductions = p.grad_reductions if (grads or gathers) else 0
     return {"grad_s": sum(grads) * p.grad_reductions, "param_s": after + sum(gathers) * x.grad_accum,
             "exposed_s": per_micro * reductions + after,
-            "copy": ComputeTime(memory_bound_s=p.copy_bytes / hw.stream_bytes_per_s * p.grad_reductions,
+            "copy": ComputeTime(memory_bound_s=p.copy_bytes / (hw.stream_bytes_per_s * pointwise_fraction(x, system))
+                                * p.grad_reductions,
                                 floors_s=p.copy_kernels * hw.kernel_floor_s * p.grad_reductions)}
 
 
@@ -233,7 +241,7 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str = "zero_repro") 
         raise ValueError(f"system={system!r}: one of {', '.join(SYSTEMS)}")
     if x.stage not in SYSTEMS[system].stages:
         raise ValueError(f"stage={x.stage} does not exist in system={system} (stages {SYSTEMS[system].stages})")
-    phases = micro_batch_compute(x, hw)
+    phases = micro_batch_compute(x, hw, system)
     micro = phases["forward"] + phases["recompute"] + phases["backward"]
     dp = dp_comm(x, hw, system, phases)
     terms = {"compute_gemm": g * micro.gemm_s, "compute_memory_bound": g * micro.memory_bound_s + dp["copy"].memory_bound_s,
@@ -311,12 +319,13 @@ def predict_record(record: dict, hw: Hardware | None = None) -> StepTime | None:
     return None if hw is None else predict(inputs_from_record(record), hw, "zero_repro")
 
 
-def kernel_table(x: StepInputs, hw: Hardware) -> list[dict]:
-    """One layer's and the head's kernels at x's per-GPU shape, with FLOPs, bytes and times on hw."""
-    rows = []
+def kernel_table(x: StepInputs, hw: Hardware, system: str | None = None) -> list[dict]:
+    """One layer's and the head's kernels at x's per-GPU shape, with FLOPs, bytes and times on hw
+    as `system` runs them."""
+    rows, fraction = [], pointwise_fraction(x, system)
     for phase, kernels in step_kernels(x.shape(), 1, x.recompute).items():
         for kernel, _ in kernels:
-            device, floor = kernel.times(hw)
+            device, floor = kernel.times(hw, fraction)
             rows.append({"phase": phase, "kernel": kernel.name, "gflops": kernel.flops / 1e9, "mb": kernel.bytes / 1e6,
                          "gemm_efficiency": hw.gemm.efficiency(*kernel.gemm) if kernel.gemm else None,
                          "us": (device + floor) * 1e6})

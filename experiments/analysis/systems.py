@@ -54,6 +54,8 @@ class System:
     # default fused-Adam count
     optimizer: Callable[[int, int], OptimizerStep] | None = None
     grad_copies_without_dp: bool = False  # the gradient copies run at DP 1 too
+    # the fraction of the streaming rate its pointwise kernels reach in half precision (kernels.py)
+    half_pointwise_fraction: float = 1.0
 
 
 def parameter_tensors(layers: int) -> int:
@@ -131,20 +133,28 @@ def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
                          kernels_per_updated_tensor=6, kernels_per_step=5)
 
 
+# PyTorch 1.x's pointwise kernels in half precision: "we typically see half operations go at ~80%
+# of fp32 rate" (N. Gimelshein, pytorch/pytorch#22612, 2019-07-15: the generic loop read one
+# element per access; vectorized loads came in 2020, pytorch/pytorch#31975). The paper's systems
+# ran PyTorch 1.x; zero_repro runs this suite's torch, whose loop vectorizes.
+TORCH1_HALF_POINTWISE = 0.8
+
+
 SYSTEMS = {
     "megatron2019": System("megatron2019", "Megatron-LM 2019", (0,), False, 3,
                            "Megatron-LM model/distributed.py @ a1d04b79: flatten, divide, one blocking all_reduce "
                            "after backward, copy back one tensor at a time (at DP 1 too); FP16_Optimizer",
-                           1, 2, fp16_optimizer_2019, grad_copies_without_dp=True),
+                           1, 2, fp16_optimizer_2019, grad_copies_without_dp=True,
+                           half_pointwise_fraction=TORCH1_HALF_POINTWISE),
     "deepspeed2020": System("deepspeed2020", "ZeRO-100B (DeepSpeed 2020)", (0, 1, 2), False, 2,
                             "DeepSpeed deepspeed_zero_optimizer.py @ 97787881: bucket copy and divide, one "
                             "dist.reduce per partition a 5e8 bucket overlaps; overlap_comm False; all_gather after "
-                            "the step", 1, 1, deepspeed_2020),
+                            "the step", 1, 1, deepspeed_2020, half_pointwise_fraction=TORCH1_HALF_POINTWISE),
     "pytorch_ddp": System("pytorch_ddp", "PyTorch DDP", (0,), True, 2,
                           "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets, each gradient copied in and out, "
                           "all-reduced during backward; stepped by Megatron-LM 2019's FP16_Optimizer [assumption: "
                           "the paper's DDP baseline ran Megatron's training loop with torch DDP]",
-                          2, 0, fp16_optimizer_2019),
+                          2, 0, fp16_optimizer_2019, half_pointwise_fraction=TORCH1_HALF_POINTWISE),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
                          "all-gather, stage 3 prefetch", 0, 1),

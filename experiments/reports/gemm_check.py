@@ -92,6 +92,6 @@ def gemm_check_summary(table: pd.DataFrame | None = None) -> pd.DataFrame:
 def gemm_ceiling_table() -> pd.DataFrame:
     """The ceiling each large GEMM reached, and the median the V100 profiles take."""
     reached = reached_ceilings()
-    return pd.DataFrame([{"sample": f"DeepBench V100 fp16 GEMMs with m·n·k >= {LARGE_MNK:.0e}, m, n >= {LARGE_SIDE}",
+    return pd.DataFrame([{"sample": f"DeepBench V100 fp16 GEMMs with m·n·k >= {LARGE_MNK:,.0f}, m, n >= {LARGE_SIDE}",
                           "count": len(reached), "gemm_ceiling (median)": derived_ceiling(),
                           "min": round(min(reached), 3), "max": round(max(reached), 3)}])

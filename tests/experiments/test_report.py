@@ -86,7 +86,7 @@ def test_report_cli(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                            f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert f"10 records (10 ok) -> 61 files in {tmp_path / 'cpu_default'}" in done.stdout
+    assert f"10 records (10 ok) -> 73 files in {tmp_path / 'cpu_default'}" in done.stdout
     bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                           f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: Could not find 'experiment/nope'")

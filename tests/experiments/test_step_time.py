@@ -63,22 +63,38 @@ def test_layer_gemm_flops_are_eq3s_and_backward_doubles_them():
 
 def test_phases_and_the_terms_they_give():
     x = inputs(dp=1, tp=1, stage=0)
-    phases = st.micro_batch_compute(x, HW)
-    assert phases["recompute"].total_s == pytest.approx(10 * kn.compute_time([(k, 1) for k in kn.layer_forward(x.shape())], HW).total_s)
+    phases = st.micro_batch_compute(x, HW, "megatron2019")
+    assert phases["recompute"].total_s == pytest.approx(10 * kn.compute_time([(k, 1) for k in kn.layer_forward(x.shape())], HW, 0.8).total_s)
     assert st.micro_batch_compute(inputs(recompute=False), HW)["recompute"].total_s == 0.0
     p = st.predict(x, HW, "megatron2019")
     total = phases["forward"] + phases["recompute"] + phases["backward"]
     assert p.terms["compute_gemm"] == pytest.approx(total.gemm_s)
     # Megatron-LM 2019 flattens, divides and copies back its gradients at DP 1 too (LocalDDP):
     # 3 read+write passes over Ψ fp16 gradients; the flatten, the divide, and a copy back per
-    # parameter tensor (12·10 + 4)
-    assert p.terms["compute_memory_bound"] == pytest.approx(total.memory_bound_s + 3 * 2 * 1e9 * 2 / 500e9)
+    # parameter tensor (12·10 + 4); fp16 copies, so torch 1.x's pointwise rate (0.8 of streaming)
+    assert p.terms["compute_memory_bound"] == pytest.approx(total.memory_bound_s + 3 * 2 * 1e9 * 2 / (500e9 * 0.8))
     assert p.terms["kernel_floors"] == pytest.approx(total.floors_s + (2 + 124) * 10e-6)
     assert st.predict(x, HW, "pytorch_ddp").terms["kernel_floors"] == pytest.approx(total.floors_s)
     assert (p.terms["tp_comm"], p.terms["dp_comm_exposed"]) == (0.0, 0.0)
     assert p.step_s == pytest.approx(sum(p.terms.values()))
     assert p.tflops_per_gpu == pytest.approx(st.flops_per_gpu(x) / p.step_s / 1e12)
     assert set(p.terms) == set(st.TERMS) and p.as_dict()["tflops_per_gpu_predicted"] == p.tflops_per_gpu
+
+
+def test_torch1_pointwise_kernels_stream_at_80_percent_in_half_precision():
+    # a bias add (pointwise) slows to 0.8 of the streaming rate, a layernorm (its own kernel) does not
+    bias, ln = (next(k for k in kn.layer_forward(inputs().shape()) if k.name == n) for n in ("QKV bias", "layernorm 1"))
+    assert bias.pointwise and not ln.pointwise
+    assert bias.times(HW, 0.8)[0] == pytest.approx(bias.bytes / (500e9 * 0.8))
+    assert ln.times(HW, 0.8)[0] == pytest.approx(ln.bytes / 500e9)
+    # the paper's systems ran torch 1.x; this engine's torch vectorizes; fp32 is not slowed
+    assert {name: st.pointwise_fraction(inputs(), name) for name in systems.SYSTEMS} == {
+        "megatron2019": 0.8, "deepspeed2020": 0.8, "pytorch_ddp": 0.8, "zero_repro": 1.0}
+    assert st.pointwise_fraction(inputs(element_bytes=4), "megatron2019") == 1.0
+    half = st.micro_batch_compute(inputs(), HW, "deepspeed2020")["forward"].memory_bound_s
+    pointwise = sum(k.bytes * n for k, n in kn.step_kernels(inputs().shape(), 10, True)["forward"] if k.pointwise and not k.gemm)
+    assert half - st.micro_batch_compute(inputs(), HW, "zero_repro")["forward"].memory_bound_s == pytest.approx(
+        pointwise / (500e9 * 0.8) - pointwise / 500e9, rel=1e-9)
 
 
 def test_tp_comm_six_allreduces_per_layer_plus_the_head():
