@@ -14,18 +14,18 @@ T = bÂ·s tokens, h hidden, a heads, t the MP degree, e bytes per element, S = bÂ
   projection (T, h, h/t), MLP up (T, 4h/t, h), down (T, h, 4h/t).
 
 Per step: the embedding (gather, position add, dropout), the final layernorm, the logits GEMM
-(T, V/t, h) and the vocab-parallel cross entropy in fp32 (the logits up-cast, max, subtract,
-exp, sum, divide; pretrain_gpt2.py:274). Backward: every GEMM's two (input and weight
+(T, V/t, h) and the vocab-parallel cross entropy in fp32 (the logits up-cast, clone, max,
+subtract, exp, sum, divide; pretrain_gpt2.py:274, mpu/cross_entropy.py). Backward: every GEMM's two (input and weight
 gradients), every elementwise op's backward (listed per op below). With recomputation each
 layer's forward runs again in backward (the logits and loss are not recomputed).
 
 A kernel's time is max(FLOPs / (peak x gemm efficiency(m, n, k)), bytes / (HBM x achievable
-fraction)) + count x the per-kernel floor (launch and host overhead). A pointwise kernel (the
-elementwise ops torch runs through its generic loop: bias adds, copies, scalings, masks,
-dropouts, residuals, GeLU) streams at a further fraction its software stack reaches in half
-precision (System.half_pointwise_fraction: PyTorch 1.x's ~80%); layernorms, softmax, the bias
-and weight reductions, the embedding's gathers and scatter and the fp32 cross entropy are their
-own kernels and stream at the hardware's rate.
+fraction)) + count x the per-kernel floor (launch and host overhead). The memory-bound fp16
+kernels of torch itself (its elementwise loop, fused dropout, the TorchScript-fused GeLU,
+softmax, the bias-gradient reductions, the embedding's index kernels) loaded one element per
+access until torch 1.5, so under the paper's systems they stream at a further fraction
+(System.scalar_half_load_fraction); apex's FusedLayerNorm and the fp32 cross entropy stream at
+the hardware's rate.
 """
 from __future__ import annotations
 
@@ -46,13 +46,13 @@ class Kernel:
     bytes: float = 0.0
     gemm: tuple[int, int, int] | None = None
     count: int = 1
-    pointwise: bool = False
+    scalar_half_loads: bool = False   # a torch kernel loading fp16 one element per access (module docstring)
 
-    def times(self, hw: Hardware, pointwise_fraction: float = 1.0) -> tuple[float, float]:
+    def times(self, hw: Hardware, scalar_half_load_fraction: float = 1.0) -> tuple[float, float]:
         """(device seconds, floor seconds): max(FLOP time, byte time), count x the floor; a
-        pointwise kernel streams at pointwise_fraction of the hardware's rate."""
+        kernel with scalar half loads streams at that fraction of the hardware's rate."""
         flop_s = self.flops / (hw.peak_flops * hw.gemm.efficiency(*self.gemm)) if self.gemm else 0.0
-        stream = hw.stream_bytes_per_s * (pointwise_fraction if self.pointwise else 1.0)
+        stream = hw.stream_bytes_per_s * (scalar_half_load_fraction if self.scalar_half_loads else 1.0)
         return max(flop_s, self.bytes / stream), self.count * hw.kernel_floor_s
 
 
@@ -63,10 +63,11 @@ def gemm(name: str, m: int, n: int, k: int, e: int, batch: int = 1) -> Kernel:
 
 
 def elementwise(name: str, elements: float, reads: float, writes: float, e: int, extra_bytes: float = 0.0,
-                count: int = 1, pointwise: bool = True) -> Kernel:
+                count: int = 1, torch_kernel: bool = True) -> Kernel:
     """A memory-bound op over `elements`: `reads` + `writes` passes of e bytes each (+ extra);
-    pointwise=False for the ops that are their own kernels (module docstring)."""
-    return Kernel(name, bytes=elements * (reads + writes) * e + extra_bytes, count=count, pointwise=pointwise)
+    torch_kernel=False for apex's layernorm and the fp32 cross entropy (module docstring)."""
+    return Kernel(name, bytes=elements * (reads + writes) * e + extra_bytes, count=count,
+                  scalar_half_loads=torch_kernel and e == 2)
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,14 @@ def layer_forward(x: LayerShape) -> list[Kernel]:
     d, batch, S = h // x.heads, x.micro_batch * x.heads // t, x.scores
     rep, part, ffn = T * h, T * h // t, T * 4 * h // t
     return [
-        elementwise("layernorm 1", rep, 1, 1, e, pointwise=False),
+        elementwise("layernorm 1", rep, 1, 1, e, torch_kernel=False),
         gemm("QKV", T, 3 * h // t, h, e),
         elementwise("QKV bias", 3 * part, 1, 1, e),
         elementwise("q, k, v permute copies", 3 * part, 1, 1, e, count=3),
         elementwise("q, k scaling", 2 * part, 1, 1, e, count=2),
         gemm("scores", s, s, d, e, batch),
         elementwise("mask multiply, subtract", S, 2, 2, e, count=2),
-        elementwise("softmax", S, 1, 1, e, pointwise=False),
+        elementwise("softmax", S, 1, 1, e),
         elementwise("attention dropout", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
         gemm("context", s, d, s, e, batch),
         elementwise("context permute copy", part, 1, 1, e),
@@ -116,7 +117,7 @@ def layer_forward(x: LayerShape) -> list[Kernel]:
         elementwise("projection bias", rep, 1, 1, e),
         elementwise("dropout", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
         elementwise("residual add", rep, 2, 1, e),
-        elementwise("layernorm 2", rep, 1, 1, e, pointwise=False),
+        elementwise("layernorm 2", rep, 1, 1, e, torch_kernel=False),
         gemm("MLP up", T, 4 * h // t, h, e),
         elementwise("MLP up bias", ffn, 1, 1, e),
         elementwise("GeLU", ffn, 1, 1, e),
@@ -138,31 +139,31 @@ def layer_backward(x: LayerShape) -> list[Kernel]:
     return [
         elementwise("residual grad add", rep, 2, 1, e),
         elementwise("dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
-        elementwise("MLP down bias grad", rep, 1, 0, e, pointwise=False),
+        elementwise("MLP down bias grad", rep, 1, 0, e),
         *_gemm_pair("MLP down", T, h, 4 * h // t, e),
         elementwise("GeLU bwd", ffn, 2, 1, e),
-        elementwise("MLP up bias grad", ffn, 1, 0, e, pointwise=False),
+        elementwise("MLP up bias grad", ffn, 1, 0, e),
         *_gemm_pair("MLP up", T, 4 * h // t, h, e),
-        elementwise("layernorm 2 bwd", rep, 2, 1, e, pointwise=False),
-        elementwise("layernorm 2 weight grads", rep, 2, 0, e, pointwise=False),
+        elementwise("layernorm 2 bwd", rep, 2, 1, e, torch_kernel=False),
+        elementwise("layernorm 2 weight grads", rep, 2, 0, e, torch_kernel=False),
         elementwise("residual grad add", rep, 2, 1, e),
         elementwise("dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
-        elementwise("projection bias grad", rep, 1, 0, e, pointwise=False),
+        elementwise("projection bias grad", rep, 1, 0, e),
         *_gemm_pair("projection", T, h, h // t, e),
         elementwise("context permute copy bwd", part, 1, 1, e),
         gemm("context dP", s, s, d, e, batch),
         gemm("context dV", s, d, s, e, batch),
         elementwise("attention dropout bwd", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
-        elementwise("softmax bwd", S, 2, 1, e, pointwise=False),
+        elementwise("softmax bwd", S, 2, 1, e),
         elementwise("mask bwd", S, 1, 1, e),
         gemm("scores dQ", s, d, s, e, batch),
         gemm("scores dK", s, d, s, e, batch),
         elementwise("q, k scaling bwd", 2 * part, 1, 1, e, count=2),
         elementwise("q, k, v permute copies bwd", 3 * part, 1, 1, e, count=3),
-        elementwise("QKV bias grad", 3 * part, 1, 0, e, pointwise=False),
+        elementwise("QKV bias grad", 3 * part, 1, 0, e),
         *_gemm_pair("QKV", T, 3 * h // t, h, e),
-        elementwise("layernorm 1 bwd", rep, 2, 1, e, pointwise=False),
-        elementwise("layernorm 1 weight grads", rep, 2, 0, e, pointwise=False),
+        elementwise("layernorm 1 bwd", rep, 2, 1, e, torch_kernel=False),
+        elementwise("layernorm 1 weight grads", rep, 2, 0, e, torch_kernel=False),
     ]
 
 
@@ -171,14 +172,15 @@ def head_forward(x: LayerShape) -> list[Kernel]:
     T, h, t, e = x.tokens, x.hidden, x.tp, x.element_bytes
     rep, logits = T * h, T * x.vocab // t
     return [
-        elementwise("word embedding gather", rep, 0, 1, e, pointwise=False),
-        elementwise("position embedding gather", rep, 0, 1, e, pointwise=False),
+        elementwise("word embedding gather", rep, 0, 1, e),
+        elementwise("position embedding gather", rep, 0, 1, e),
         elementwise("embedding add", rep, 2, 1, e),
         elementwise("embedding dropout", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
-        elementwise("final layernorm", rep, 1, 1, e, pointwise=False),
+        elementwise("final layernorm", rep, 1, 1, e, torch_kernel=False),
         gemm("logits", T, x.vocab // t, h, e),
-        # up-cast (e in, 4 out), max (4), subtract (8), exp (8), sum (4), divide (8): fp32 passes
-        elementwise("cross entropy (fp32)", logits, 0, 0, e, extra_bytes=logits * (e + 32), count=6, pointwise=False),
+        # mpu/cross_entropy.py @ a1d04b79: up-cast (e in, 4 out), clone (8), max (4), subtract (8),
+        # exp (8), sum (4), divide (8): e + 44 bytes a logit in 7 kernels
+        elementwise("cross entropy (fp32)", logits, 0, 0, e, extra_bytes=logits * (e + 44), count=7, torch_kernel=False),
     ]
 
 
@@ -186,15 +188,16 @@ def head_backward(x: LayerShape) -> list[Kernel]:
     T, h, t, e = x.tokens, x.hidden, x.tp, x.element_bytes
     rep, logits = T * h, T * x.vocab // t
     return [
-        # softmax - one-hot, times the loss gradient (8 + 8 bytes fp32), down-cast (4 in, e out)
-        elementwise("cross entropy bwd (fp32)", logits, 0, 0, e, extra_bytes=logits * (16 + 4 + e), count=3, pointwise=False),
+        # the target's one-hot subtracted in place (T elements, a floor), times the loss gradient
+        # (8 bytes fp32), down-cast (4 in, e out)
+        elementwise("cross entropy bwd (fp32)", logits, 0, 0, e, extra_bytes=logits * (8 + 4 + e), count=3, torch_kernel=False),
         *_gemm_pair("logits", T, x.vocab // t, h, e),
-        elementwise("final layernorm bwd", rep, 2, 1, e, pointwise=False),
-        elementwise("final layernorm weight grads", rep, 2, 0, e, pointwise=False),
+        elementwise("final layernorm bwd", rep, 2, 1, e, torch_kernel=False),
+        elementwise("final layernorm weight grads", rep, 2, 0, e, torch_kernel=False),
         elementwise("embedding dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
         elementwise("word embedding grad (zero, scatter)", rep, 1, 1, e,
-                    extra_bytes=x.vocab // t * h * e, count=2, pointwise=False),
-        elementwise("position embedding grad", rep, 1, 1, e, pointwise=False),
+                    extra_bytes=x.vocab // t * h * e, count=2),
+        elementwise("position embedding grad", rep, 1, 1, e),
     ]
 
 
@@ -225,11 +228,11 @@ class ComputeTime:
                            self.floors_s + other.floors_s, self.flops + other.flops)
 
 
-def compute_time(kernels: list[tuple[Kernel, int]], hw: Hardware, pointwise_fraction: float = 1.0) -> ComputeTime:
+def compute_time(kernels: list[tuple[Kernel, int]], hw: Hardware, scalar_half_load_fraction: float = 1.0) -> ComputeTime:
     """Sum over (kernel, repeats): a GEMM's device time counts as GEMM, the rest memory-bound."""
     g = m = f = flops = 0.0
     for kernel, repeats in kernels:
-        device, floor = kernel.times(hw, pointwise_fraction)
+        device, floor = kernel.times(hw, scalar_half_load_fraction)
         if kernel.gemm:
             g += device * repeats
         else:

@@ -38,7 +38,7 @@ from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
 from experiments.analysis.kernels import ComputeTime, LayerShape, compute_time, step_kernels
 from experiments.analysis.nccl import concurrent_groups
-from experiments.analysis.systems import SYSTEMS, DpPlan, dp_plan, parameter_tensors, record_plan
+from experiments.analysis.systems import SYSTEMS, DpPlan, System, dp_plan, parameter_tensors, record_plan
 
 TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "pa", "offload",
          "optimizer")
@@ -130,14 +130,24 @@ def flops_per_gpu(x: StepInputs) -> float:
                                      hidden=x.hidden, vocab=x.vocab, recompute=x.recompute) / x.tp
 
 
-def pointwise_fraction(x: StepInputs, system: str | None) -> float:
-    """The fraction of the streaming rate the system's pointwise kernels reach at x's precision."""
-    return SYSTEMS[system].half_pointwise_fraction if system in SYSTEMS and x.element_bytes == 2 else 1.0
+def resolve_system(system: str | System) -> System:
+    """A system by name (systems.SYSTEMS), or a System as given (a variant: the sensitivity
+    table moves its constants)."""
+    if isinstance(system, System):
+        return system
+    if system not in SYSTEMS:
+        raise ValueError(f"system={system!r}: one of {', '.join(SYSTEMS)}")
+    return SYSTEMS[system]
 
 
-def micro_batch_compute(x: StepInputs, hw: Hardware, system: str | None = None) -> dict[str, ComputeTime]:
+def half_load_fraction(x: StepInputs, system: str | System | None) -> float:
+    """The fraction of the streaming rate the system's torch fp16 kernels reach at x's precision."""
+    return resolve_system(system).scalar_half_load_fraction if system is not None and x.element_bytes == 2 else 1.0
+
+
+def micro_batch_compute(x: StepInputs, hw: Hardware, system: str | System | None = None) -> dict[str, ComputeTime]:
     """One micro-batch's kernels by phase (forward, recompute, backward), as `system` runs them."""
-    fraction = pointwise_fraction(x, system)
+    fraction = half_load_fraction(x, system)
     return {phase: compute_time(kernels, hw, fraction)
             for phase, kernels in step_kernels(x.shape(), x.layers, x.recompute).items()}
 
@@ -186,34 +196,38 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
 UNFUSED_ADAMW_EXTRA_BYTES = {"zero_repro": 80 - 28}
 
 
-def optimizer_s(x: StepInputs, hw: Hardware, system: str | None = None) -> float:
+def optimizer_s(x: StepInputs, hw: Hardware, system: str | System | None = None) -> float:
     partitioned = not (x.stage == 0 or x.dp <= 1)
     updated = x.psi / x.dp if partitioned else x.psi
-    sys = SYSTEMS.get(system)
+    sys = None if system is None else resolve_system(system)
     if sys is None or sys.optimizer is None:
-        per_param = optimizer_bytes_per_param(x.element_bytes) + UNFUSED_ADAMW_EXTRA_BYTES.get(system, 0)
+        per_param = optimizer_bytes_per_param(x.element_bytes) + UNFUSED_ADAMW_EXTRA_BYTES.get(sys and sys.name, 0)
         return updated * per_param / hw.stream_bytes_per_s
     step = sys.optimizer(x.element_bytes, x.stage)
     tensors = parameter_tensors(x.layers)
     updated_tensors = ceil(tensors / x.dp) if partitioned else tensors
-    bytes_moved = x.psi * sum(step.local_passes.values()) + updated * sum(step.updated_passes.values())
+    half = half_load_fraction(x, sys)
+
+    def seconds(passes: dict[str, int], elements: float) -> float:
+        return sum(b * elements / (hw.stream_bytes_per_s * (half if name in step.half_passes else 1.0))
+                   for name, b in passes.items())
     kernels = (tensors * step.kernels_per_local_tensor + updated_tensors * step.kernels_per_updated_tensor
                + step.kernels_per_step)
-    return bytes_moved / hw.stream_bytes_per_s + kernels * hw.kernel_floor_s
+    return seconds(step.local_passes, x.psi) + seconds(step.updated_passes, updated) + kernels * hw.kernel_floor_s
 
 
-def plan(x: StepInputs, system: str) -> DpPlan:
-    sys = SYSTEMS[system]
+def plan(x: StepInputs, system: str | System) -> DpPlan:
+    sys = resolve_system(system)
     if x.engine_counts is not None:
         return record_plan(sys, x.engine_counts, x.stage, x.grad_accum, x.element_bytes, x.psi, x.layers)
     return dp_plan(sys, psi=x.psi, dp=x.dp, stage=x.stage, layers=x.layers, element_bytes=x.element_bytes,
                    grad_accum=x.grad_accum, reduce_bucket=x.reduce_bucket, allgather_bucket=x.allgather_bucket)
 
 
-def dp_comm(x: StepInputs, hw: Hardware, system: str, phases: dict[str, ComputeTime]) -> dict[str, float]:
+def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str, ComputeTime]) -> dict[str, float]:
     """Raw and exposed DP seconds per step under the system's overlap (module docstring)."""
     p, group = plan(x, system), dp_group(x, hw)
-    overlap = SYSTEMS[system].overlap if x.overlap is None else x.overlap
+    overlap = resolve_system(system).overlap if x.overlap is None else x.overlap
     grads = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.grad_calls]
     after = sum(_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_after_step)
     gathers = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_per_micro_batch]
@@ -229,28 +243,28 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str, phases: dict[str, ComputeT
     reductions = p.grad_reductions if (grads or gathers) else 0
     return {"grad_s": sum(grads) * p.grad_reductions, "param_s": after + sum(gathers) * x.grad_accum,
             "exposed_s": per_micro * reductions + after,
-            "copy": ComputeTime(memory_bound_s=p.copy_bytes / (hw.stream_bytes_per_s * pointwise_fraction(x, system))
+            "copy": ComputeTime(memory_bound_s=p.copy_bytes / (hw.stream_bytes_per_s * half_load_fraction(x, system))
                                 * p.grad_reductions,
                                 floors_s=p.copy_kernels * hw.kernel_floor_s * p.grad_reductions)}
 
 
-def predict(inputs: StepInputs, hardware: Hardware, system: str = "zero_repro") -> StepTime:
-    """The step time of `inputs` on `hardware` run by `system` (systems.SYSTEMS)."""
+def predict(inputs: StepInputs, hardware: Hardware, system: str | System = "zero_repro") -> StepTime:
+    """The step time of `inputs` on `hardware` run by `system` (a name of systems.SYSTEMS, or a
+    System)."""
     x, hw, g = inputs, hardware, inputs.grad_accum
-    if system not in SYSTEMS:
-        raise ValueError(f"system={system!r}: one of {', '.join(SYSTEMS)}")
-    if x.stage not in SYSTEMS[system].stages:
-        raise ValueError(f"stage={x.stage} does not exist in system={system} (stages {SYSTEMS[system].stages})")
-    phases = micro_batch_compute(x, hw, system)
+    sys = resolve_system(system)
+    if x.stage not in sys.stages:
+        raise ValueError(f"stage={x.stage} does not exist in system={sys.name} (stages {sys.stages})")
+    phases = micro_batch_compute(x, hw, sys)
     micro = phases["forward"] + phases["recompute"] + phases["backward"]
-    dp = dp_comm(x, hw, system, phases)
+    dp = dp_comm(x, hw, sys, phases)
     terms = {"compute_gemm": g * micro.gemm_s, "compute_memory_bound": g * micro.memory_bound_s + dp["copy"].memory_bound_s,
              "kernel_floors": g * micro.floors_s + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
              "dp_comm_exposed": dp["exposed_s"], "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
-             "optimizer": optimizer_s(x, hw, system)}
+             "optimizer": optimizer_s(x, hw, sys)}
     details = {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"], "recompute": x.recompute,
                "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
-    return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=system, details=details)
+    return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=sys.name, details=details)
 
 
 # -- from the suite's points and records ------------------------------------------------------
@@ -319,10 +333,10 @@ def predict_record(record: dict, hw: Hardware | None = None) -> StepTime | None:
     return None if hw is None else predict(inputs_from_record(record), hw, "zero_repro")
 
 
-def kernel_table(x: StepInputs, hw: Hardware, system: str | None = None) -> list[dict]:
+def kernel_table(x: StepInputs, hw: Hardware, system: str | System | None = None) -> list[dict]:
     """One layer's and the head's kernels at x's per-GPU shape, with FLOPs, bytes and times on hw
     as `system` runs them."""
-    rows, fraction = [], pointwise_fraction(x, system)
+    rows, fraction = [], half_load_fraction(x, system)
     for phase, kernels in step_kernels(x.shape(), 1, x.recompute).items():
         for kernel, _ in kernels:
             device, floor = kernel.times(hw, fraction)

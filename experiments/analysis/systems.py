@@ -54,8 +54,8 @@ class System:
     # default fused-Adam count
     optimizer: Callable[[int, int], OptimizerStep] | None = None
     grad_copies_without_dp: bool = False  # the gradient copies run at DP 1 too
-    # the fraction of the streaming rate its pointwise kernels reach in half precision (kernels.py)
-    half_pointwise_fraction: float = 1.0
+    # the fraction of the streaming rate its torch's fp16 kernels reach (kernels.py): scalar loads
+    scalar_half_load_fraction: float = 1.0
 
 
 def parameter_tensors(layers: int) -> int:
@@ -74,6 +74,7 @@ class OptimizerStep:
 
     local_passes: dict[str, int]
     updated_passes: dict[str, int]
+    half_passes: frozenset[str] = frozenset()   # the passes that touch fp16 only (torch's scalar loads)
     kernels_per_local_tensor: int = 0
     kernels_per_updated_tensor: int = 0
     kernels_per_step: int = 0
@@ -92,14 +93,16 @@ def fp16_optimizer_2019(e: int, stage: int) -> OptimizerStep:
     if e >= 4:
         return OptimizerStep({}, {"zero_grad": 4, "AccumulateGrad into the zeroed grad": 12, "grad norm": 4,
                                   "FusedAdam": 28}, kernels_per_updated_tensor=5)
-    return OptimizerStep({}, {"zero_grad: master and model grads": 4 + e,
+    return OptimizerStep({}, {"zero_grad: master grads": 4, "zero_grad: model grads": e,
                               "AccumulateGrad into the zeroed grad": 3 * e,
                               "overflow check: grad.float().sum()": e + 4 + 4,
                               "model grads to master grads": e + 4,
                               "unscale: master grad mul_": 8,
                               "grad norm: master grad norm": 4,
                               "FusedAdam: grad, master, m, v read, master, m, v written": 28,
-                              "master params to model params": 4 + e}, kernels_per_updated_tensor=12)
+                              "master params to model params": 4 + e},
+                         half_passes=frozenset({"zero_grad: model grads", "AccumulateGrad into the zeroed grad"}),
+                         kernels_per_updated_tensor=12)
 
 
 def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
@@ -118,7 +121,7 @@ def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
     if stage == 0:
         return OptimizerStep({}, {"flatten": 2 * e, "norm of the flat grads: float().norm()": e + 4 + 4,
                                   "FusedAdam: grad, master, m, v read, master, m, v, fp16 copy written": 24 + 2 * e},
-                             kernels_per_step=5)
+                             half_passes=frozenset({"flatten"}), kernels_per_step=5)
     if stage == 1:
         return OptimizerStep({"overflow check: grad.float().sum()": e + 4 + 4, "grad norm: grad.float().norm()": e + 4 + 4},
                              {"flatten, to fp32": 2 * e + e + 4, "unscale and clip: mul_": 8,
@@ -133,11 +136,14 @@ def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
                          kernels_per_updated_tensor=6, kernels_per_step=5)
 
 
-# PyTorch 1.x's pointwise kernels in half precision: "we typically see half operations go at ~80%
-# of fp32 rate" (N. Gimelshein, pytorch/pytorch#22612, 2019-07-15: the generic loop read one
-# element per access; vectorized loads came in 2020, pytorch/pytorch#31975). The paper's systems
-# ran PyTorch 1.x; zero_repro runs this suite's torch, whose loop vectorizes.
-TORCH1_HALF_POINTWISE = 0.8
+# torch <= 1.4's fp16 kernels: "we typically see half operations go at ~80% of fp32 rate"
+# (N. Gimelshein, pytorch/pytorch#22612, 2019-07-15, of the pointwise kernels, which loaded one
+# element per access; vectorized loads shipped in torch 1.5, April 2020, pytorch/pytorch#32383).
+# Applied to every torch fp16 memory-bound kernel of the same scalar loads (softmax, the
+# reductions, the index kernels too: [assumption]). [assumption] The runs behind the paper's
+# numbers predate torch 1.5: DeepSpeed announced ZeRO-100B's results in February 2020. zero_repro
+# runs this suite's torch.
+TORCH_1_4_SCALAR_HALF_LOADS = 0.8
 
 
 SYSTEMS = {
@@ -145,16 +151,16 @@ SYSTEMS = {
                            "Megatron-LM model/distributed.py @ a1d04b79: flatten, divide, one blocking all_reduce "
                            "after backward, copy back one tensor at a time (at DP 1 too); FP16_Optimizer",
                            1, 2, fp16_optimizer_2019, grad_copies_without_dp=True,
-                           half_pointwise_fraction=TORCH1_HALF_POINTWISE),
+                           scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
     "deepspeed2020": System("deepspeed2020", "ZeRO-100B (DeepSpeed 2020)", (0, 1, 2), False, 2,
                             "DeepSpeed deepspeed_zero_optimizer.py @ 97787881: bucket copy and divide, one "
                             "dist.reduce per partition a 5e8 bucket overlaps; overlap_comm False; all_gather after "
-                            "the step", 1, 1, deepspeed_2020, half_pointwise_fraction=TORCH1_HALF_POINTWISE),
+                            "the step", 1, 1, deepspeed_2020, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
     "pytorch_ddp": System("pytorch_ddp", "PyTorch DDP", (0,), True, 2,
                           "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets, each gradient copied in and out, "
                           "all-reduced during backward; stepped by Megatron-LM 2019's FP16_Optimizer [assumption: "
                           "the paper's DDP baseline ran Megatron's training loop with torch DDP]",
-                          2, 0, fp16_optimizer_2019, half_pointwise_fraction=TORCH1_HALF_POINTWISE),
+                          2, 0, fp16_optimizer_2019, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
                          "all-gather, stage 3 prefetch", 0, 1),
