@@ -5,9 +5,9 @@ from; the README pastes the reference set's copy between markers, and a test kee
 Every cell comes from a table report.py also writes (named in `details`, a file of the same
 reports folder): Table 1 and 2's formulas, the claims table (predictions.paper_claims), the
 searched largest models (tables.largest_table), the simulated points (tables.simulation_table),
-Figure 7's statements (zero_r.fig7_statements) and the step-time model's targets
-(predictions.targets_table). A row whose records are not in the set says
-so instead of a number.
+Figure 7's statements (zero_r.fig7_statements), the step-time model's targets
+(predictions.targets_table) and its checks against measurements (measured_steps_table,
+gemm_check). A row whose records are not in the set says so instead of a number.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import re
 
 import pandas as pd
 
-from experiments.reports import predictions, tables, zero_r
+from experiments.reports import gemm_check, predictions, tables, zero_r
 
 # How ours was obtained, by the claims table's kind.
 HOW = {"formula": "formula", "measured (CPU)": "measured on CPU", "simulated": "simulated at full world size",
@@ -110,4 +110,15 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
         rows.append((f"Throughput target: {target.target}", target.paper,
                      f"{target.predicted:g} ({'meets' if target.met == 'yes' else 'misses'} {target.band})",
                      HOW["predicted"], "targets.md, sensitivity.md"))
+    # the model against measurements that are not the paper's (results/external)
+    step = predictions.measured_steps_table().set_index("step").loc["Megatron-LM 2019"]
+    rows.append(("Step time check: Megatron-LM 2019's 1.2B on one DGX-2H V100",
+                 f"{step['measured s']:g} s (derived from Megatron-LM v1.0's measured step)",
+                 f"{step['predicted s']:g} s ({step['predicted / measured']:g} of it)", HOW["predicted"], "measured_steps.md"))
+    gemms = gemm_check.gemm_check_summary().set_index("GEMMs")
+    large, small = gemms.loc["large (the ceiling's sample)"], gemms.loc["small or skinny"]
+    rows.append(("GEMM check: V100 fp16 GEMMs measured by DeepBench (CUDA 10.1)", f"{int(gemms.loc['all', 'count'])} GEMMs",
+                 f"within 25%: {int(large['within 25%'])} of {int(large['count'])} large (the ceiling's sample), "
+                 f"{int(small['within 25%'])} of {int(small['count'])} small or skinny", HOW["predicted"],
+                 "gemm_check_summary.md, gemm_ceiling.md"))
     return pd.DataFrame(rows, columns=list(COLUMNS))
