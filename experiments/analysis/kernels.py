@@ -20,12 +20,13 @@ gradients), every elementwise op's backward (listed per op below). With recomput
 layer's forward runs again in backward (the logits and loss are not recomputed).
 
 A kernel's time is max(FLOPs / (peak x gemm efficiency(m, n, k)), bytes / (HBM x achievable
-fraction)) + count x the per-kernel floor (launch and host overhead). The memory-bound fp16
-kernels of torch itself (its elementwise loop, fused dropout, the TorchScript-fused GeLU,
-softmax, the bias-gradient reductions, the embedding's index kernels) loaded one element per
-access until torch 1.5, so under the paper's systems they stream at a further fraction
-(System.scalar_half_load_fraction); apex's FusedLayerNorm and the fp32 cross entropy stream at
-the hardware's rate.
+fraction)) + count x the per-kernel floor (launch and host overhead). Under the paper's systems
+the memory-bound fp16 kernels of torch itself stream at a further fraction
+(System.scalar_half_load_fraction): torch's elementwise loop loaded one element per access
+until torch 1.5 (pytorch/pytorch#32383), and its fused dropout, the TorchScript-fused GeLU,
+softmax, the bias-gradient reductions and the embedding's index kernels are taken to do the
+same [assumption]; apex's FusedLayerNorm and the fp32 cross entropy (mixed fp16/fp32 at its
+casts) are taken at the hardware's rate [assumption].
 """
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """Step-time model: seconds per training step, and TFLOPs per GPU, composed kernel by kernel and
 collective by collective on a Hardware profile (hardware.py), for a system as it ran
 (systems.py). Nothing here is fitted to the ZeRO paper's throughput: every constant is a
-datasheet value, a source in hardware.SOURCES, or a measurement (`make calibrate`).
+datasheet value, a source in hardware.SOURCES or systems.py, or a measurement (`make calibrate`).
 
 Per GPU and per step, with g micro-batches accumulated:
 
 - compute (kernels.py): the kernels of a micro-batch's forward, recomputed forward and
   backward, each max(FLOP time at the GEMM model's efficiency, bytes at HBM x the achievable
-  fraction) + a per-kernel floor; split into GEMM, memory-bound and floor seconds; x g.
+  fraction, x the system's torch fp16 rate for torch's fp16 kernels) + a per-kernel floor;
+  split into GEMM, memory-bound and floor seconds; x g.
 - TP comm: Megatron's all-reduces of the layer's T·h output, 2 in forward, 2 in the recomputed
   forward, 2 in backward per layer, plus the embedding's and the logits' input gradient (T·h)
   and the cross entropy's three T-float all-reduces; each costed by the CollectiveModel over the

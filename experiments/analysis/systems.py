@@ -112,7 +112,8 @@ def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
       buffer as the overflow check, FusedAdam on the flat fp32 master writing the fp16 copy;
     - 1, pt/zero_optimizer_stage1.py (step): the overflow check (grad.float().sum(), a host sync)
       and the norm (grad.float().norm(), .item()) on every local gradient tensor, then its
-      sub-partition flattened and converted to fp32, unscaled, FusedAdam, copied to fp16;
+      sub-partition's tensors converted to fp32 and flattened (get_flat_sub_partitions),
+      unscaled, FusedAdam, copied to fp16;
     - 2, pt/deepspeed_zero_optimizer.py (step): the overflow check and the fp64 norm on each of
       its partition's gradient tensors, the flatten and fp32 conversion, the unscale-and-clip,
       FusedAdam on the flat fp32 partition, the fp16 partition copied back.
@@ -124,25 +125,25 @@ def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
                              half_passes=frozenset({"flatten"}), kernels_per_step=5)
     if stage == 1:
         return OptimizerStep({"overflow check: grad.float().sum()": e + 4 + 4, "grad norm: grad.float().norm()": e + 4 + 4},
-                             {"flatten, to fp32": 2 * e + e + 4, "unscale and clip: mul_": 8,
+                             {"to fp32, per tensor": e + 4, "flatten (fp32)": 8, "unscale and clip: mul_": 8,
                               "FusedAdam on the sub-partition": 28, "fp32 sub-partition to fp16": 4 + e},
                              kernels_per_local_tensor=6, kernels_per_step=5)
     return OptimizerStep({}, {"overflow check: grad.float().sum()": e + 4 + 4,
                               "grad norm: grad.double().norm()": e + 8 + 8,
-                              "flatten, to fp32": 2 * e + e + 4,
+                              "flatten": 2 * e, "to fp32": e + 4,
                               "unscale and clip: mul_": 8,
                               "FusedAdam on the flat partition": 28,
                               "fp32 partition to the fp16 partition": 4 + e},
-                         kernels_per_updated_tensor=6, kernels_per_step=5)
+                         half_passes=frozenset({"flatten"}), kernels_per_updated_tensor=6, kernels_per_step=5)
 
 
 # torch <= 1.4's fp16 kernels: "we typically see half operations go at ~80% of fp32 rate"
 # (N. Gimelshein, pytorch/pytorch#22612, 2019-07-15, of the pointwise kernels, which loaded one
-# element per access; vectorized loads shipped in torch 1.5, April 2020, pytorch/pytorch#32383).
-# Applied to every torch fp16 memory-bound kernel of the same scalar loads (softmax, the
-# reductions, the index kernels too: [assumption]). [assumption] The runs behind the paper's
-# numbers predate torch 1.5: DeepSpeed announced ZeRO-100B's results in February 2020. zero_repro
-# runs this suite's torch.
+# element per access; torch 1.5, April 2020, vectorized its elementwise loop, pytorch/pytorch#32383).
+# [assumption] Applied to every torch kernel whose operands are all fp16 (softmax, the
+# reductions, the index kernels too), not to apex's layernorm or to mixed fp16/fp32 passes.
+# [assumption] The paper's systems ran torch <= 1.4: DeepSpeed @ 97787881's Dockerfile pins
+# torch 1.2.0, and Megatron-LM @ a1d04b79 is of October 2019. zero_repro runs this suite's torch.
 TORCH_1_4_SCALAR_HALF_LOADS = 0.8
 
 

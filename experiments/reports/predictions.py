@@ -35,6 +35,7 @@ from experiments.analysis import step_time as st
 from experiments.analysis.flops import recompute_factor
 from experiments.analysis.hardware import load_cluster, profile
 from experiments.analysis.memory import max_params, model_state_bytes
+from experiments.analysis.systems import TORCH_1_4_SCALAR_HALF_LOADS
 from experiments.records import REPO
 
 PAPER_DIR = REPO / "results" / "paper"
@@ -140,7 +141,8 @@ def _point_key(p) -> tuple:
 
 def predicted_rows(records: list[dict] | None = None) -> list[dict]:
     """One row per paper point of Figures 2, 3, 4 and 8: the paper's numbers, the prediction on
-    the paper's cluster with its breakdown, the same recipe on DGX H100 nodes, and what records
+    the paper's cluster with its breakdown, the same recipe on DGX H100 nodes (a hypothetical:
+    the system's 2019-2020 software on today's hardware), and what records
     of the point say (measured TFLOPs; the prediction redone with a simulated record's engine
     counts)."""
     v100, h100 = profile(PAPER_CLUSTER), profile(TODAY_CLUSTER)
@@ -212,7 +214,8 @@ THROUGHPUT_COLUMNS = {
 def throughput_predicted(records: list[dict] | None = None) -> pd.DataFrame:
     """The throughput table: every paper point, paper (text; DeepSpeed figure APPROX), predicted
     (TFLOPs/GPU on the paper's DGX-2 cluster), their ratios, the time breakdown (seconds per step),
-    what the same recipe would give on DGX H100 nodes, and measured where a record exists."""
+    what the same recipe would give on DGX H100 nodes (the same software, hypothetically), and
+    measured where a record exists."""
     df = pd.DataFrame(predicted_rows(records))[list(THROUGHPUT_COLUMNS)]
     # a model's output: TFLOPs and ratios to 2 decimals, seconds to 3 (the readings are +-0.5 anyway)
     numeric = {c: (3 if c.endswith("_s") else 2) for c in THROUGHPUT_COLUMNS
@@ -550,24 +553,22 @@ def targets_table() -> pd.DataFrame:
 # hardware profiles' (both clusters moved together) and the paper's systems' torch <= 1.4 rate.
 UNCERTAIN = {"gemm_ceiling": "GEMM ceiling", "hbm_fraction": "HBM fraction", "kernel_floor_us": "kernel floor",
              "nvlink_link_gb_per_s": "NVLink width", "inter_node_gbps": "InfiniBand", "nccl_latency": "NCCL latencies",
-             "scalar_half_load_fraction": "torch <= 1.4 fp16 rate"}
+             "scalar_half_load_fraction": f"torch <= 1.4 fp16 rate ({TORCH_1_4_SCALAR_HALF_LOADS:g})"}
 
 
 def _moved(cluster: str, key: str, factor: float):
-    from dataclasses import replace as moved
     from experiments.analysis.hardware import from_cluster
     conf = load_cluster(cluster)
     if key == "nccl_latency":
         hw = from_cluster(conf)
-        return moved(hw, collectives=moved(hw.collectives, latency_scale=factor))
+        return replace(hw, collectives=replace(hw.collectives, latency_scale=factor))
     return from_cluster({**conf, key: conf[key] * factor})
 
 
 def _moved_headlines(key: str, factor: float) -> dict:
-    from dataclasses import replace as moved
     from experiments.analysis.systems import SYSTEMS
     if key == "scalar_half_load_fraction":
-        return headlines(systems={name: moved(sys, scalar_half_load_fraction=sys.scalar_half_load_fraction * factor)
+        return headlines(systems={name: replace(sys, scalar_half_load_fraction=sys.scalar_half_load_fraction * factor)
                                   for name, sys in SYSTEMS.items() if name != "zero_repro"})
     return headlines(_moved(PAPER_CLUSTER, key, factor), _moved(MEGATRON_CLUSTER, key, factor))
 
