@@ -23,9 +23,8 @@ Per GPU and per step, with g micro-batches accumulated:
   its partition to the host in forward and back in backward over PCIe; exposed.
 - optimizer: Adam with fp32 masters, memory bound: per parameter updated (Ψ at stage 0, Ψ/N at
   1-3) the passes of the system's optimizer step (systems.py: Megatron-LM 2019's FP16_Optimizer,
-  DeepSpeed 2020's ZeRO-2 step), plus its kernels per parameter tensor at the floor; by default
-  (zero_repro) the gradient read, master, momentum, variance read and written, the
-  model-precision copy written, and the overflow check's and gradient norm's reads.
+  DeepSpeed 2020's ZeRO-2 step, this engine's unfused AdamW), plus its kernels per parameter
+  tensor at the floor; with no system, a fused Adam's (systems.optimizer_bytes_per_param).
 
 TFLOPs/GPU use the suite's FLOP convention (Narayanan et al. 2021 Eq. 3, flops.py), not the
 kernel FLOPs, so numbers compare with Megatron's and the paper's.
@@ -39,7 +38,8 @@ from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
 from experiments.analysis.kernels import ComputeTime, LayerShape, compute_time, step_kernels
 from experiments.analysis.nccl import concurrent_groups
-from experiments.analysis.systems import SYSTEMS, DpPlan, System, dp_plan, parameter_tensors, record_plan
+from experiments.analysis.systems import (SYSTEMS, DpPlan, System, dp_plan, optimizer_bytes_per_param,
+                                          parameter_tensors, record_plan)
 
 TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "pa", "offload",
          "optimizer")
@@ -180,30 +180,12 @@ def offload_s(x: StepInputs, hw: Hardware) -> float:
     return x.layers * 2 * partition / hw.pcie_bytes_per_s
 
 
-def optimizer_bytes_per_param(element_bytes: int) -> int:
-    """Adam (gradient read, master/momentum/variance read and written, the model-precision copy
-    written: none in fp32, where the master is the parameter) + the gradient-norm read, + the
-    overflow check's read in half precision (loss scaling)."""
-    half = element_bytes < 4
-    return element_bytes + 24 + (element_bytes if half else 0) + element_bytes * (2 if half else 1)
-
-
-# zero_repro steps torch.optim.AdamW unfused (experiments/run/build.py sets neither fused nor
-# foreach: CPU tensors take torch's single-tensor path, CUDA ones foreach, with the same passes).
-# Per fp32 master element they move p.mul_ (decoupled weight decay) 8 B, exp_avg.lerp_ 12,
-# exp_avg_sq.mul_ 8 and .addcmul_ 12, .sqrt() 8, / bias correction 8, .add_(eps) 8, p.addcdiv_ 16:
-# 80 B where a fused Adam moves 28 (torch/optim/adam.py, _single_tensor_adam). Issue 21's CPU check:
-# torch's AdamW took 20 ms of the 117 ms tiny_l step (profiled); 32 B per element predicted 6 ms.
-UNFUSED_ADAMW_EXTRA_BYTES = {"zero_repro": 80 - 28}
-
-
 def optimizer_s(x: StepInputs, hw: Hardware, system: str | System | None = None) -> float:
     partitioned = not (x.stage == 0 or x.dp <= 1)
     updated = x.psi / x.dp if partitioned else x.psi
     sys = None if system is None else resolve_system(system)
     if sys is None or sys.optimizer is None:
-        per_param = optimizer_bytes_per_param(x.element_bytes) + UNFUSED_ADAMW_EXTRA_BYTES.get(sys and sys.name, 0)
-        return updated * per_param / hw.stream_bytes_per_s
+        return updated * optimizer_bytes_per_param(x.element_bytes) / hw.stream_bytes_per_s
     step = sys.optimizer(x.element_bytes, x.stage)
     tensors = parameter_tensors(x.layers)
     updated_tensors = ceil(tensors / x.dp) if partitioned else tensors

@@ -22,7 +22,7 @@ Each system's optimizer step, as its code ran it (OptimizerStep: passes over mem
 and kernels per parameter tensor): Megatron-LM 2019's FP16_Optimizer walks the parameters one
 tensor at a time (the paper's DDP baseline is assumed to step with it: Megatron's training loop
 with torch DDP); DeepSpeed 2020's steps by stage, per-tensor overflow and norm checks before a
-flat fused Adam; zero_repro's is step_time.optimizer_bytes_per_param.
+flat fused Adam; zero_repro steps torch's AdamW unfused (zero_repro_adamw).
 
 A record of the suite's engine brings its own counts (calls and bytes per purpose): those
 replace the formula.
@@ -50,8 +50,8 @@ class System:
     source: str
     grad_copy_kernels_per_tensor: int     # of the copies: kernels per parameter tensor ...
     grad_copy_kernels_per_reduction: int  # ... and per reduction (flatten, divide)
-    # the optimizer step: (element bytes, stage) -> its passes and kernels; None: step_time's
-    # default fused-Adam count
+    # the optimizer step: (element bytes, stage) -> its passes and kernels; None: a fused Adam's
+    # count (optimizer_bytes_per_param)
     optimizer: Callable[[int, int], OptimizerStep] | None = None
     grad_copies_without_dp: bool = False  # the gradient copies run at DP 1 too
     # the fraction of the streaming rate its torch's fp16 kernels reach (kernels.py): scalar loads
@@ -78,6 +78,30 @@ class OptimizerStep:
     kernels_per_local_tensor: int = 0
     kernels_per_updated_tensor: int = 0
     kernels_per_step: int = 0
+
+
+def optimizer_bytes_per_param(element_bytes: int) -> int:
+    """Adam (gradient read, master/momentum/variance read and written, the model-precision copy
+    written: none in fp32, where the master is the parameter) + the gradient-norm read, + the
+    overflow check's read in half precision (loss scaling)."""
+    half = element_bytes < 4
+    return element_bytes + 24 + (element_bytes if half else 0) + element_bytes * (2 if half else 1)
+
+
+# zero_repro steps torch.optim.AdamW unfused (experiments/run/build.py sets neither fused nor
+# foreach: CPU tensors take torch's single-tensor path, CUDA ones foreach, with the same passes).
+# Per fp32 master element they move p.mul_ (decoupled weight decay) 8 B, exp_avg.lerp_ 12,
+# exp_avg_sq.mul_ 8 and .addcmul_ 12, .sqrt() 8, / bias correction 8, .add_(eps) 8, p.addcdiv_ 16:
+# 80 B where a fused Adam moves 28 (torch/optim/adam.py, _single_tensor_adam). Issue 21's CPU check:
+# torch's AdamW took 20 ms of the 117 ms tiny_l step (profiled); 32 B per element predicted 6 ms.
+UNFUSED_ADAMW_EXTRA_BYTES = 80 - 28
+
+
+def zero_repro_adamw(e: int, stage: int) -> OptimizerStep:
+    """This engine's step on its shard: a fused Adam's passes (optimizer_bytes_per_param) and
+    what torch's unfused AdamW moves beyond them (UNFUSED_ADAMW_EXTRA_BYTES)."""
+    return OptimizerStep({}, {"fused Adam, overflow check, gradient norm": optimizer_bytes_per_param(e),
+                              "unfused AdamW's extra passes": UNFUSED_ADAMW_EXTRA_BYTES})
 
 
 def fp16_optimizer_2019(e: int, stage: int) -> OptimizerStep:
@@ -164,7 +188,7 @@ SYSTEMS = {
                           2, 0, fp16_optimizer_2019, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
-                         "all-gather, stage 3 prefetch", 0, 1),
+                         "all-gather, stage 3 prefetch", 0, 1, zero_repro_adamw),
 }
 
 

@@ -569,7 +569,7 @@ def _moved_headlines(key: str, factor: float) -> dict:
     from experiments.analysis.systems import SYSTEMS
     if key == "scalar_half_load_fraction":
         return headlines(systems={name: replace(sys, scalar_half_load_fraction=sys.scalar_half_load_fraction * factor)
-                                  for name, sys in SYSTEMS.items() if name != "zero_repro"})
+                                  for name, sys in SYSTEMS.items()})
     return headlines(_moved(PAPER_CLUSTER, key, factor), _moved(MEGATRON_CLUSTER, key, factor))
 
 
