@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import secrets
 import subprocess
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -64,7 +64,10 @@ def validate_record(record: dict) -> list[str]:
 def write_record(path: Path, record: dict) -> None:
     """Write atomically: a reader sees the old record or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # mode 0666 less the umask, as open() would create it (mkstemp's 0600 would hide the record
+    # from the rest of a team on a shared cluster file system)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     with os.fdopen(fd, "w") as f:
         json.dump(record, f, indent=1, default=_jsonable)
     os.replace(tmp, path)

@@ -21,11 +21,12 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.cli import preflight_or_exit
+from experiments.commands import python_command, quoted, torchrun_command
 from experiments.points import ConfigError, cpu_normal_draws_per_s, launch_plan
 from experiments.run.fake import check_simulate_rank, simulate_and_record
 from experiments.run.real import point_from_train_config, run_as_rank
 from experiments.schema import register
-from experiments.sweeps.summary import simulated_summary_markdown, simulated_summary_rows
+from experiments.sweeps.summary import point_summary_line, simulated_summary_markdown, simulated_summary_rows
 
 register()
 
@@ -34,7 +35,7 @@ def simulate(cfg: DictConfig) -> int:
     """simulate=true: the point's record and its summary row; 0 unless the simulation failed."""
     point = point_from_train_config(cfg)
     record, path = simulate_and_record(point, Path(cfg.results_dir), cfg.simulate_rank)
-    print(simulated_summary_markdown(simulated_summary_rows([point], path.parent.parent)))
+    print(simulated_summary_markdown(simulated_summary_rows([point], path.parent.parent, cfg.simulate_rank)))
     print(f"{record['status']}: {path}" + (f"\n{record['error']}" if record.get("error") else ""))
     return 0 if "simulation" in record else 1
 
@@ -46,8 +47,10 @@ def main(cfg: DictConfig) -> None:
     try:
         if cfg.simulate:
             sys.exit(simulate(cfg))
-        run_as_rank(point_from_train_config(cfg), Path(cfg.results_dir),
-                    os.environ.get("ZERO_REPRO_LAUNCHER", "torchrun"))
+        path = run_as_rank(point_from_train_config(cfg), Path(cfg.results_dir),
+                           os.environ.get("ZERO_REPRO_LAUNCHER", "torchrun"))
+        if path is not None:  # rank 0: what the run measured, and where its record is
+            print(point_summary_line(path))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -59,6 +62,23 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
         check_simulate_rank([point], cfg.simulate_rank)
     elif os.environ.get("ZERO_REPRO_CHECK_ONLY") == "1":  # slurm/launch.sh's check, once per job: its plan
         print(launch_plan(point, cpu_normal_draws_per_s()))
+    else:
+        check_launcher_world(point.gpus, sys.argv[1:])
+
+
+def check_launcher_world(gpus: int, argv: list[str]) -> None:
+    """A point of `gpus` ranks needs a launcher that starts as many (torchrun, srun); a plain
+    `python experiments/train.py gpus=2` is a world of one. Say how to start it instead."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == gpus:
+        return
+    if "WORLD_SIZE" in os.environ:
+        raise ConfigError(f"gpus={gpus} but the launcher started {world} ranks; give gpus={world} "
+                          f"or start {gpus} ranks")
+    raise ConfigError(f"gpus={gpus} needs {gpus} ranks and this is one process: run "
+                      f"`{torchrun_command(gpus)} experiments/train.py {quoted(argv)}`, or "
+                      f"`{python_command()} experiments/sweep.py {quoted(argv)}` (starts the ranks itself), "
+                      f"or add simulate=true (one rank of the {gpus} on fake tensors)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A real one-node Slurm cluster on this machine, for the tests of slurm/ and the submitit launcher.
 
-Debian's `slurm-wlm` and `munge` are installed when missing (the tests skip, saying why, only
-when that is impossible); a slurm.conf in a temporary folder describes this host as the only
+The tests use a Slurm already on this machine. They install Debian's `slurm-wlm` and `munge`
+only when asked (`ZERO_REPRO_INSTALL_SLURM=1`, which `make test INSTALL_SLURM=1` and `.ci/run`
+set); otherwise, and where installing is impossible, they skip and say why. A slurm.conf in a temporary folder describes this host as the only
 node; `munged`, `slurmctld` and `slurmd` are started, and the cluster is ready when `sinfo`
 shows the node idle. `stop()` ends the daemons.
 """
@@ -18,10 +19,16 @@ from pathlib import Path
 PACKAGES = ("slurm-wlm", "munge")
 
 
+INSTALL_VARIABLE = "ZERO_REPRO_INSTALL_SLURM"
+
+
 def ensure_installed() -> str | None:
-    """Install Slurm and munge if needed; return why that is impossible, or None."""
+    """Install Slurm and munge if missing and asked to; return why Slurm is not there, or None."""
     if all(shutil.which(tool) for tool in ("sbatch", "slurmctld", "slurmd", "munged")):
         return None
+    if os.environ.get(INSTALL_VARIABLE) != "1":
+        return (f"Slurm is not installed; `make test INSTALL_SLURM=1` (or {INSTALL_VARIABLE}=1) installs "
+                f"Debian's {' and '.join(PACKAGES)} for these tests")
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return "Slurm is not installed, and installing it needs root and apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")

@@ -222,6 +222,6 @@ def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> tuple
     except Exception:
         result, error = None, traceback.format_exc()
     record = simulated_record(point, precision, result, error, started, rank)
-    path = simulated_path(results_dir / point.experiment, point)
+    path = simulated_path(results_dir / point.experiment, point, rank)
     records.write_record(path, record)
     return record, path

@@ -228,13 +228,14 @@ def point_from_train_config(cfg: DictConfig) -> Point:
     return expand(sweep_like)[0]
 
 
-def run_as_rank(point: Point, results_dir: Path, launcher: str, store: dist.Store | None = None) -> None:
+def run_as_rank(point: Point, results_dir: Path, launcher: str, store: dist.Store | None = None) -> Path | None:
     """Train `point` as one rank of a job whose launcher (torchrun, srun, submitit) set RANK,
     WORLD_SIZE and LOCAL_RANK, and MASTER_ADDR and MASTER_PORT unless it passes the job's `store`
     (a submitit job's points share one). Every rank agrees on the point's outcome before it
     returns (experiments/run/outcome.py); rank 0 writes the record, with the first failing rank's
     traceback; then, if the point did not finish, every rank raises (Preempted, PointFailed, or
-    RanksLost when a rank posted no outcome in time) and exits non-zero."""
+    RanksLost when a rank posted no outcome in time) and exits non-zero. Returns the record's
+    path on rank 0 and None on the others."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != point.gpus:
         raise ConfigError(f"gpus={point.gpus} but the launcher started {world} ranks")
@@ -295,6 +296,7 @@ def run_as_rank(point: Point, results_dir: Path, launcher: str, store: dist.Stor
     if verdict["status"] != "ok":
         lines = verdict["error"].strip().splitlines()
         raise PointFailed(f"point {point.point_id}: " + " ".join(dict.fromkeys((lines[0], lines[-1])))) from error
+    return path if rank == 0 else None
 
 
 def _resume_point(root: Path) -> dict:

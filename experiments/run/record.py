@@ -167,7 +167,10 @@ def _analytic(predicted: dict) -> dict:
                                       "peak_phase")}
 
 
-def simulated_path(results_dir: Path, point: Point) -> Path:
+def simulated_path(results_dir: Path, point: Point, rank: int = 0) -> Path:
     """Simulated records live apart from hardware ones (a simulated `ok` must never make a
-    real sweep skip a point): <results_dir>/simulated/<point_id>.json."""
-    return results_dir / "simulated" / f"{point.point_id}.json"
+    real sweep skip a point): <results_dir>/simulated/<point_id>.json for rank 0, the rank the
+    reports read, and <point_id>.rank<N>.json for another rank (simulate_rank=N), which so
+    never replaces rank 0's."""
+    name = point.point_id if rank == 0 else f"{point.point_id}.rank{rank}"
+    return results_dir / "simulated" / f"{name}.json"

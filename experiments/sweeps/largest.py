@@ -227,11 +227,12 @@ def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, worker
     for s in searches:
         result = s.result()
         for layers, record in s.records.items():
+            path = simulated_path(results_dir, family_point(s.row, layers), rank)
             if layers == result["simulated_max_layers"]:
                 record["largest_search"] = result
-                records.write_record(simulated_path(results_dir, family_point(s.row, layers)), record)
+                records.write_record(path, record)
             else:
-                records.write_record(results_dir / "simulated" / "search" / f"{record['point_id']}.json", record)
+                records.write_record(path.parent / "search" / path.name, record)
         results.append(result)
     return results
 

@@ -17,7 +17,7 @@ from experiments.launch import spawn
 from experiments.points import Point, check_runnable_here, resolve_precision
 from experiments.run.real import checkpoint_root, train_rank, with_checkpoint_dir
 from experiments.run.record import build_record, classify_failure
-from experiments.sweeps.summary import print_summary, summary_rows, write_summary_csv
+from experiments.sweeps.summary import folder_summary_rows, print_summary, summary_rows, write_summary_csv
 
 REPO = records.REPO
 
@@ -31,10 +31,10 @@ def run_local_sweep(points: list[Point], results_dir: Path, launcher: str, force
             continue
         record = run_point(point, launcher, results_dir)
         tqdm.write(f"{record['status']:7s} {point.point_id}", file=sys.stderr)
-    rows = summary_rows(points, results_dir)
-    print_summary(rows)
-    write_summary_csv(rows, results_dir / "summary.csv")
-    print(f"records and summary.csv in {results_dir}")
+    print_summary(summary_rows(points, results_dir))
+    every = folder_summary_rows(points, results_dir)
+    write_summary_csv(every, results_dir / "summary.csv")
+    print(f"records and summary.csv ({len(every)} points: every record in the folder) in {results_dir}")
     return 0
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import hashlib
+import json
 import re
 import shlex
 import sys
@@ -37,6 +39,7 @@ from experiments.analysis import step_time as st
 from experiments.analysis.calibrated import cluster_hardware
 from experiments.models.megatron_gpt import parameter_count
 from experiments.analysis.hardware import load_cluster
+from experiments.commands import python_command, train_command
 from experiments.launch import default_workers
 from experiments.points import CONF_DIR, ConfigError, Point, available_models, expand, load_model, predicted_memory_bytes
 from experiments.run.fake import simulated_precision
@@ -51,7 +54,7 @@ ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
 CSV_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
                "fits", "peak_gb", "peak_source", "limit_gb", "headroom_gb", "states_gb", "activations_gb", "peak_phase",
                "tflops_per_gpu_predicted", "tokens_per_s_predicted",
-               "step_s_predicted", "dominant", "point_id", "overrides", "sbatch")
+               "step_s_predicted", "dominant", "point_id", "overrides", "command", "sbatch")
 
 
 @dataclasses.dataclass
@@ -380,7 +383,8 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
                     "tokens_per_s_predicted": round(c.speed) if step else None,
                     "step_s_predicted": round(step.step_s, 3) if step else None,
                     "dominant": step.dominant() if step else None, "point_id": p.point_id,
-                    "overrides": command, "sbatch": sbatch_line(p, command)})
+                    "overrides": command, "command": train_command(command, p.gpus, p.cluster["gpus_per_node"]),
+                    "sbatch": sbatch_line(p, command)})
     return out
 
 
@@ -402,9 +406,11 @@ def markdown(plan_rows: list[dict], header: str, top: int) -> str:
     out = [header, "", f"**Fits: {len(fit)} configurations; the best {min(top, len(fit))}**", ""]
     out += table(fit[:top]) if fit else ["Nothing fits: see below."]
     if fit:
-        out += ["", "Run the best:", "", "```", f"python experiments/train.py {fit[0]['overrides']}   # per rank (torchrun/srun)",
-                f"python experiments/train.py {fit[0]['overrides']} simulate=true   # its memory, here",
-                fit[0]["sbatch"], "```"]
+        best = fit[0]
+        out += ["", "Run the best:", "", "```",
+                best["command"],
+                f"{python_command()} experiments/train.py {best['overrides']} simulate=true   # its memory, here",
+                best["sbatch"], "```"]
     out += ["", f"**Does not fit: {len(misses)} configurations; the {min(top, len(misses))} nearest**", ""]
     out += table(misses[:top]) if misses else ["Everything fits."]
     return "\n".join(out) + "\n"
@@ -440,6 +446,44 @@ class ProgressBar:
         print(file=sys.stderr)
 
 
+SEARCH_KEYS = ("global_batch", "stages", "tps", "micro_batches", "recompute", "system", "device_memory_gb",
+               "gpus_per_node")
+
+
+def plan_name(cfg: DictConfig, cluster_name: str, base_model: str | None) -> str:
+    """The plan's folder when name= is not given: <model>-<cluster>-g<gpus>, then whatever else
+    sets this plan apart, so that two different plans never share a folder: a custom shape
+    (-l<layers>-h<hidden>-a<heads>-s<seq_len>), each search key off its default (-tps1,
+    -recomputetrue), a DeepSpeed JSON (-ds_<file stem>), and a hash of any train./zero./cluster.
+    value off its default."""
+    model = OmegaConf.to_container(cfg.model)
+    parts = [model["name"]]
+    base = load_model(base_model) if base_model in available_models() else None
+    shape_keys = ("layers", "hidden", "heads", "seq_len", "vocab_size")
+    if base is None or any(model[k] != base[k] for k in shape_keys):
+        parts.append(f"l{model['layers']}-h{model['hidden']}-a{model['heads']}-s{model['seq_len']}")
+    parts += [cluster_name, f"g{cfg.gpus}"]
+    defaults = OmegaConf.structured(PlanConfig)
+    for key in SEARCH_KEYS:
+        value = OmegaConf.to_container(cfg)[key] if OmegaConf.is_list(cfg[key]) else cfg[key]
+        default = OmegaConf.to_container(defaults)[key]
+        if value != default:
+            text = "_".join(map(str, value)) if isinstance(value, list) else str(value)
+            parts.append(re.sub(r"[^A-Za-z0-9_.]", "", f"{key}{text}".lower()))
+    if cfg.deepspeed_config:
+        parts.append(f"ds_{Path(cfg.deepspeed_config).stem}")
+    changed = {group: {k: v for k, v in OmegaConf.to_container(cfg[group]).items()
+                       if v != OmegaConf.to_container(defaults[group]).get(k)}
+               for group in ("train", "zero")}
+    changed["cluster"] = {k: v for k, v in OmegaConf.to_container(cfg.cluster).items()
+                          if v != OmegaConf.to_container(OmegaConf.merge(
+                              OmegaConf.structured(ClusterConfig),
+                              OmegaConf.load(CONF_DIR / "cluster" / f"{cluster_name}.yaml"))).get(k)}
+    if any(changed.values()):
+        parts.append(hashlib.sha1(json.dumps(changed, sort_keys=True, default=str).encode()).hexdigest()[:8])
+    return "-".join(parts)
+
+
 def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) -> tuple[list[dict], str]:
     """The plan's rows and its Markdown (module docstring); plan.md, plan.csv and plan_table.md
     written under results_dir/plan/<name or model-cluster-g<gpus>>/, the simulated records
@@ -452,7 +496,7 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
     for c in candidates:
         c.deepspeed_config = cfg.deepspeed_config
     cluster = candidates[0].point.cluster
-    folder = results_dir / "plan" / (cfg.name or f"{cfg.model.name}-{cluster['name']}-g{cfg.gpus}")
+    folder = results_dir / "plan" / (cfg.name or plan_name(cfg, cluster["name"], base_model))
     print(f"plan: {len(candidates)} configurations of {cfg.model.name} on {cfg.gpus} GPUs of {cluster['name']} "
           f"({cluster['device_memory_gb']:g} GB, {cluster['cuda_reserve_gb']:g} GB reserved); "
           f"{sum(c.worth_simulating for c in candidates)} within {ANALYTIC_MARGIN:.0%} of the limit analytically",

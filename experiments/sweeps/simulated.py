@@ -34,7 +34,7 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
             record = simulated_record(point, precision, result, error, began, rank)
             if error and "timed out" in error:
                 record["status"] = "timeout"
-            records.write_record(simulated_path(results_dir, point), record)
+            records.write_record(simulated_path(results_dir, point, rank), record)
             out[point_id] = record
             if on_done:
                 on_done(point, record)
@@ -45,7 +45,7 @@ def done_record(results_dir: Path, point: Point, rank: int) -> dict | None:
     """The point's simulated record if it stands for this simulation (status ok or oom, the same
     rank), else None. A point's id leaves its cluster out, while its verdict (device memory,
     reserve) and "auto" precision depend on it: only a record of the same cluster and precision counts."""
-    existing = records.read_record(simulated_path(results_dir, point))
+    existing = records.read_record(simulated_path(results_dir, point, rank))
     if existing and existing.get("config", {}).get("cluster") == point.cluster \
             and existing.get("precision") == simulated_precision(point) \
             and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank:
@@ -71,7 +71,7 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
         print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else ""), file=sys.stderr, flush=True)
 
     run_simulated(todo, results_dir, rank=rank, workers=workers or None, on_done=done)
-    rows = simulated_summary_rows(points, results_dir)
+    rows = simulated_summary_rows(points, results_dir, rank)
     print(simulated_summary_markdown(rows))
     if rows:
         write_summary_csv(rows, results_dir / "simulated" / "summary.csv")

@@ -12,23 +12,44 @@ from experiments.reports.tables import peak_breakdown_gb
 from experiments.run.record import MEASURED_BY, simulated_path
 
 
+def summary_row(record: dict, point: Point | None = None) -> dict:
+    """One row of the Table-5-style summary, from a record (and the point that has none yet)."""
+    memory, comm, ok = record.get("memory", {}), record.get("comm", {}), record.get("status") == "ok"
+    measured, gb = memory.get("measured_max_over_ranks", {}), 1e9
+    if point is not None:
+        shape = {"model": point.model["name"], "gpus": point.gpus, "tp": point.tp, "dp": point.dp,
+                 "stage": point.stage, "batch": point.global_batch, "point_id": point.point_id}
+    else:
+        shape = {"model": record["model"]["name"], "gpus": record["world_size"], "tp": record["tp"],
+                 "dp": record["dp"], "stage": record["stage"], "batch": record["global_batch"],
+                 "point_id": record["point_id"]}
+    return {
+        "model": shape["model"], "params_B": round(record.get("params", 0) / 1e9, 4),
+        "gpus": shape["gpus"], "tp": shape["tp"], "dp": shape["dp"], "stage": shape["stage"],
+        "batch": shape["batch"], "tflops_per_gpu": record.get("tflops_per_gpu"),
+        "mem_pred_GB": memory.get("predicted", {}).get("total", 0) / gb,
+        "mem_meas_GB": measured.get("total", 0) / gb if ok else None,
+        "peak_GB": measured.get("peak_bytes", 0) / gb if ok else None,
+        "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
+        "status": record.get("status", "missing"), "point_id": shape["point_id"]}
+
+
 def summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
-    rows = []
-    for point in points:
-        record = records.read_record(results_dir / f"{point.point_id}.json") or {}
-        memory = record.get("memory", {})
-        comm = record.get("comm", {})
-        gb = 1e9
-        rows.append({
-            "model": point.model["name"], "params_B": round(record.get("params", 0) / 1e9, 4),
-            "gpus": point.gpus, "tp": point.tp, "dp": point.dp, "stage": point.stage,
-            "batch": point.global_batch, "tflops_per_gpu": record.get("tflops_per_gpu"),
-            "mem_pred_GB": memory.get("predicted", {}).get("total", 0) / gb,
-            "mem_meas_GB": memory.get("measured_max_over_ranks", {}).get("total", 0) / gb if record.get("status") == "ok" else None,
-            "peak_GB": memory.get("measured_max_over_ranks", {}).get("peak_bytes", 0) / gb if record.get("status") == "ok" else None,
-            "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
-            "status": record.get("status", "missing"), "point_id": point.point_id})
-    return rows
+    """The sweep's points, in order: each one's record, or `missing`."""
+    return [summary_row(records.read_record(results_dir / f"{p.point_id}.json") or {}, p) for p in points]
+
+
+def folder_summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
+    """Every record in the folder (earlier sweeps' too), then this sweep's points that have none:
+    what summary.csv beside the records holds."""
+    rows = {}
+    for path in sorted(results_dir.glob("*.json")):
+        record = records.read_record(path)
+        if record is not None and "point_id" in record:
+            rows[record["point_id"]] = summary_row(record)
+    for row in summary_rows(points, results_dir):
+        rows.setdefault(row["point_id"], row)
+    return list(rows.values())
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -43,6 +64,18 @@ def print_summary(rows: list[dict]) -> None:
         theory = f"{r['comm_theory']:,}" if r["comm_theory"] is not None else "-"
         print(f"| {r['model']} | {r['params_B']:.4f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['batch']} "
               f"| {tflops} | {format_bytes(r['mem_pred_GB'] * 1e9)} | {meas} | {peak} | {comm} | {theory} | {r['status']} |")
+
+
+def point_summary_line(path: Path) -> str:
+    """One trained point in a line, as train.py prints it on success: status, speed, memory, traffic, the record."""
+    record = records.read_record(path) or {}
+    row = summary_row(record)
+    tflops = f"{row['tflops_per_gpu']:.4f} TFLOPs/GPU" if row["tflops_per_gpu"] is not None else "no TFLOPs"
+    step = f"{record['step_time_s']:.3f} s/step" if record.get("step_time_s") is not None else "no step time"
+    peak = format_bytes(row["peak_GB"] * 1e9) if row["peak_GB"] else "-"
+    comm = f"{row['comm_elements']:,}" if row["comm_elements"] is not None else "-"
+    return (f"{row['status']}: {row['model']} stage {row['stage']} on {row['gpus']} rank{'s' if row['gpus'] != 1 else ''} (TP {row['tp']}): {step}, "
+            f"{tflops}, peak {peak}/rank, {comm} elements/step; record {path}")
 
 
 def format_bytes(n: float) -> str:
@@ -63,10 +96,10 @@ def write_summary_csv(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def simulated_summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
+def simulated_summary_rows(points: list[Point], results_dir: Path, rank: int = 0) -> list[dict]:
     rows = []
     for point in points:
-        r = records.read_record(simulated_path(results_dir, point)) or {}
+        r = records.read_record(simulated_path(results_dir, point, rank)) or {}
         mem, comm = r.get("memory", {}), r.get("comm", {})
         gb = 1e9
         breakdown = peak_breakdown_gb(mem)

@@ -1,0 +1,131 @@
+"""What a new user meets first: printed commands that run as printed, outputs that never
+overwrite each other, records others can read, errors as one line, a test suite that leaves the
+machine alone."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import commands, records
+from experiments.points import ConfigError
+from experiments.run.record import simulated_path
+from experiments.sweeps.summary import folder_summary_rows, point_summary_line, summary_rows
+
+FIXTURES = Path(__file__).parent / "fixtures" / "records" / "cpu_default"
+
+
+def test_printed_python_is_the_running_interpreter(monkeypatch, tmp_path):
+    """`python` only when PATH finds this interpreter; else its path, relative under the cwd."""
+    bin_dir = Path(sys.executable).parent
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert commands.python_command() == "python"
+    assert commands.torchrun_command(4) == "torchrun --nproc-per-node=4"
+    monkeypatch.setenv("PATH", str(tmp_path))  # an un-activated shell: no python of ours on PATH
+    monkeypatch.chdir(bin_dir.parent.parent)
+    assert commands.python_command() == os.path.relpath(bin_dir / "python")  # .venv/bin/python
+    monkeypatch.chdir(tmp_path)
+    assert commands.python_command() == str(bin_dir / "python")
+
+
+def test_train_command_uses_the_launcher_the_point_needs(monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    assert commands.train_command("gpus=1", 1, 8) == "python experiments/train.py gpus=1"
+    assert commands.train_command("gpus=8", 8, 8) == "torchrun --nproc-per-node=8 experiments/train.py gpus=8"
+    assert commands.train_command("gpus=16", 16, 8).startswith("srun python experiments/train.py gpus=16")
+
+
+def test_a_plain_python_run_of_several_ranks_says_how_to_start_them(monkeypatch):
+    from experiments.train import check_launcher_world
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    check_launcher_world(1, ["gpus=1"])
+    with pytest.raises(ConfigError) as e:
+        check_launcher_world(2, ["model=tiny_s", "gpus=2"])
+    assert "--nproc-per-node=2 experiments/train.py model=tiny_s gpus=2" in str(e.value)
+    assert "simulate=true" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="launcher started 4 ranks"):
+        check_launcher_world(2, ["gpus=2"])
+
+
+def test_summary_csv_covers_every_record_in_its_folder(compose, tmp_path):
+    """A second sweep's summary keeps the first sweep's points (summary.csv is the folder's)."""
+    for path in FIXTURES.glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    from experiments.points import expand
+    sweep = expand(compose("model=tiny_s", "gpus=[1]", "stage=[0,1]"))
+    printed = summary_rows(sweep, tmp_path)
+    every = folder_summary_rows(sweep, tmp_path)
+    assert len(printed) == 2
+    assert {r["point_id"] for r in printed} <= {r["point_id"] for r in every}
+    assert len(every) == len({r["point_id"] for r in every}) >= len(list(FIXTURES.glob("*.json")))
+    fixture = records.read_record(next(FIXTURES.glob("tiny_m-s3-*.json")))
+    [row] = [r for r in every if r["point_id"] == fixture["point_id"]]
+    assert (row["model"], row["stage"], row["gpus"], row["status"]) == ("tiny_m", 3, 2, fixture["status"])
+
+
+def test_a_trained_point_is_one_line_with_its_record(tmp_path):
+    path = next(FIXTURES.glob("tiny_s-s1-g2-*.json"))
+    line = point_summary_line(path)
+    record = records.read_record(path)
+    assert line.startswith(f"{record['status']}: tiny_s stage 1 on 2 ranks (TP 1)") and str(path) in line
+    assert "\n" not in line and f"{record['comm']['elements_per_step']:,}" in line
+
+
+def test_another_rank_never_replaces_rank_zeros_simulated_record(compose):
+    from experiments.points import expand
+    [point] = expand(compose("model=tiny_s", "gpus=[4]", "stage=2"))
+    assert simulated_path(Path("r"), point) == Path("r/simulated") / f"{point.point_id}.json"
+    assert simulated_path(Path("r"), point, 5) == Path("r/simulated") / f"{point.point_id}.rank5.json"
+
+
+def test_records_are_readable_by_the_rest_of_the_team(tmp_path):
+    old = os.umask(0o022)
+    try:
+        records.write_record(tmp_path / "r.json", {"status": "ok"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o644
+    assert list(tmp_path.iterdir()) == [tmp_path / "r.json"]  # no temporary file left behind
+
+
+def plan_config(*overrides: str):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from experiments.points import CONF_DIR
+    from experiments.schema import register
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="plan", overrides=list(overrides))
+
+
+def test_every_different_plan_has_its_own_folder():
+    from experiments.sweeps.plan import plan_name
+    cases = [[], ["tps=[1]", "recompute=[true]"], ["deepspeed_config=conf/deepspeed/zero2_fp16.json"],
+             ["model.layers=40", "model.hidden=5120", "model.heads=40"], ["train.precision=bf16"],
+             ["global_batch=256"]]
+    names = [plan_name(cfg, cfg.cluster.name, "gpt_7b") for cfg in (plan_config(*c) for c in cases)]
+    assert names[0] == "gpt_7b-dgx2_v100-g8"  # the unrestricted plan keeps its documented name
+    assert len(set(names)) == len(names)
+    assert names[1] == "gpt_7b-dgx2_v100-g8-tps1-recomputetrue"
+    assert names[2].endswith("-ds_zero2_fp16") and "l40-h5120-a40" in names[3]
+
+
+def test_the_slurm_tests_install_nothing_unless_asked(monkeypatch):
+    import slurm_harness
+    monkeypatch.setattr(slurm_harness.shutil, "which", lambda tool: "/usr/bin/apt-get" if tool == "apt-get" else None)
+    ran = []
+    monkeypatch.setattr(slurm_harness.subprocess, "run", lambda *a, **k: ran.append(a) or subprocess.CompletedProcess(a, 1, "", "no network"))
+    monkeypatch.delenv(slurm_harness.INSTALL_VARIABLE, raising=False)
+    why = slurm_harness.ensure_installed()
+    assert "INSTALL_SLURM=1" in why and ran == []
+    monkeypatch.setenv(slurm_harness.INSTALL_VARIABLE, "1")
+    monkeypatch.setattr(slurm_harness.os, "geteuid", lambda: 0)
+    slurm_harness.ensure_installed()
+    assert ran and ran[0][0][0] == "apt-get"
