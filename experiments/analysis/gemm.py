@@ -15,6 +15,16 @@ smallest tile that reaches the ceiling and scale smaller tiles by that reuse (64
 an assumption of this model (the guide: "larger tiles ... more data reuse"), not a measurement.
 cuBLAS's heuristic picks the tile; we take the best candidate, as a heuristic that picks well.
 
+A third loss, for short k, on the Ampere profiles (`k_tile`, `stages`): each tile's main loop
+walks k in steps of k_tile through a pipeline of `stages` shared-memory buffers, which it fills
+before the first multiply and drains after the last: stages - 1 steps without math at each end
+of the tile's run, so a tile's math is (k / k_tile) / (k / k_tile + stages - 1) of its time.
+CUTLASS's sm80 fp16 tensor-op default (include/cutlass/gemm/device/default_gemm_configuration.h,
+DefaultGemmConfiguration<OpClassTensorOp, Sm80, half_t, ...>): threadblock k = 64 (128 x 256 x 64),
+kStages = 3. At k = 64 (attention's scores at head size 64) that is 1/3; at TP 8's projection
+(k = h/8 = 128 at h 1024) 1/2; at k = 4096, 0.97. The V100 profiles keep their derived ceiling
+without it (their ceiling is derived from DeepBench through the two losses above).
+
 Memory-bound GEMMs (small k: the attention's batched products, MP 128's thin slices) are not
 this module's business: the kernel's time is the larger of its FLOP time at this efficiency and
 its bytes at the HBM rate (kernels.py).
@@ -25,6 +35,13 @@ from dataclasses import dataclass
 from math import ceil
 
 TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))  # cuBLAS's Volta-era tile shapes
+# Ampere's fp16 tensor-op tiles add 256 x 64 and 64 x 256 (CUTLASS 2.x's sm80 default
+# threadblock shapes, include/cutlass/gemm/device/default_gemm_configuration.h and the sm80
+# profiler set: 256x128, 128x256, 256x64, 64x256, 128x128, 128x64, 64x128, 64x64)
+TILES_SM80 = ((256, 128), (128, 256), (256, 64), (64, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+TILES_BY_COMPUTE_CAPABILITY = {70: TILES, 80: TILES_SM80, 90: TILES}   # Hopper: left as before (not modelled here)
+# the main loop's k step and pipeline depth by compute capability (module docstring); Volta: none
+K_PIPELINE_BY_COMPUTE_CAPABILITY = {80: (64, 3)}
 FULL_REUSE_TILE = (128, 128)
 
 
@@ -50,6 +67,17 @@ class TileWaveGemm:
 
     sms: int
     ceiling: float
+    tiles: tuple[tuple[int, int], ...] = TILES
+    k_tile: int | None = None     # the main loop's k step (None: no pipeline fill and drain)
+    stages: int = 1               # its shared-memory pipeline depth
+
+    def pipeline_efficiency(self, k: int) -> float:
+        """The fraction of a tile's run that multiplies: (k / k_tile) / (k / k_tile + stages - 1)."""
+        if self.k_tile is None:
+            return 1.0
+        steps = ceil(k / self.k_tile)
+        return steps / (steps + self.stages - 1)
 
     def efficiency(self, m: int, n: int, k: int) -> float:
-        return self.ceiling * max(tile_efficiency(m, n, tm, tn, self.sms) for tm, tn in TILES)
+        return self.ceiling * self.pipeline_efficiency(k) * max(tile_efficiency(m, n, tm, tn, self.sms)
+                                                                for tm, tn in self.tiles)

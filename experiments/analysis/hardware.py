@@ -21,7 +21,7 @@ from typing import Protocol
 
 import yaml
 
-from experiments.analysis.gemm import TileWaveGemm
+from experiments.analysis.gemm import K_PIPELINE_BY_COMPUTE_CAPABILITY, TILES_BY_COMPUTE_CAPABILITY, TileWaveGemm
 from experiments.analysis.nccl import Nccl
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast")
@@ -71,7 +71,10 @@ class Hardware:
 PROFILE_KEYS = ("peak_tflops", "sms", "gemm_ceiling", "hbm_gb_per_s", "hbm_fraction", "kernel_floor_us",
                 "gpus_per_node", "nvlink_links", "nvlink_link_gb_per_s", "inter_node_gbps", "nics_per_node",
                 "pcie_gb_per_s")
-PROFILES = ("dgx2_v100", "dgx2h_v100", "dgx_h100")
+PROFILES = ("dgx2_v100", "dgx2h_v100", "dgx_h100", "dgx_a100")
+# which GPU generation (NCCL's per-architecture refinements, the GEMM tiles): conf key
+# compute_capability, else by name
+COMPUTE_CAPABILITY = {"dgx2_v100": 70, "dgx2h_v100": 70, "dgx_h100": 90, "dgx_a100": 80}
 CONF_CLUSTER = Path(__file__).resolve().parents[2] / "conf" / "cluster"
 
 _V100 = {
@@ -120,6 +123,30 @@ SOURCES = {
     "dgx_h100.inter_node_gbps": "3200 per node: 8 x 400 Gb/s NDR InfiniBand (DGX H100 datasheet)",
     "dgx_h100.nics_per_node": "8 ConnectX-7 NDR NICs per node: NVIDIA DGX H100 datasheet",
     "dgx_h100.pcie_gb_per_s": "48 [derived]: PCIe gen5 x16, 63 GB/s theoretical x the gen3 achievable ratio 12/15.75",
+    "dgx_a100.peak_tflops": "312: NVIDIA A100 Tensor Core GPU datasheet (SXM, fp16/bf16 tensor core, dense; 624 with "
+                            "sparsity)",
+    "dgx_a100.sms": "108: NVIDIA A100 Tensor Core GPU Architecture whitepaper (GA100 with 108 of 128 SMs enabled; the "
+                    "number NVIDIA's 'Matrix Multiplication Background User's Guide' uses for wave quantization)",
+    "dgx_a100.gemm_ceiling": "0.8 [unverified]: cuBLAS 11's large fp16 GEMMs on an A100 SXM reach about 250 of 312 "
+                             "TFLOPs (NVIDIA 'Matrix Multiplication Background User's Guide', A100 figures); the "
+                             "development set's large-work rows check it (docs/performance_checks.md)",
+    "dgx_a100.hbm_gb_per_s": "2039: NVIDIA A100 80 GB SXM datasheet (HBM2e, 2,039 GB/s)",
+    "dgx_a100.hbm_fraction": "0.9 [unverified]: a streaming kernel's fraction of the HBM peak on A100, as STREAM-like "
+                             "GPU benchmarks (BabelStream) report it (about 1.4 of 1.555 TB/s on the 40 GB part)",
+    "dgx_a100.kernel_floor_us": "5: PyTorch per-op host overhead with autograd (pytorch/pytorch#41383); systems "
+                                "with a host model (megatron_ds2023) use their own measured cost instead",
+    "dgx_a100.gpus_per_node": "8: NVIDIA DGX A100 datasheet",
+    "dgx_a100.nvlink_links": "12 NVLink 3 links per A100 into six NVSwitches: NVIDIA A100 datasheet / DGX A100 "
+                             "datasheet (600 GB/s per GPU, both directions)",
+    "dgx_a100.nvlink_link_gb_per_s": "22: the width NCCL 2.14 assigns an sm80 NVLink (src/graph/topo.h SM80_NVLINK_BW); "
+                                     "datasheet 25 per direction; NCCL 2.14's tuner caps an Ampere bus at 235 GB/s "
+                                     "(tuning.cc), which vTrain's nccl-tests on its A100 node reach: 229 GB/s busbw at "
+                                     "1 GiB over 8 GPUs (results/external/vtrain_a100_allreduce.csv)",
+    "dgx_a100.inter_node_gbps": "1600 per node: 8 x 200 Gb/s HDR InfiniBand (NVIDIA DGX A100 datasheet); NCCL counts "
+                                "a NIC at its speed / 8000 = 25 GB/s (src/graph/topo.cc)",
+    "dgx_a100.nics_per_node": "8 ConnectX-6 HDR NICs for the compute fabric: NVIDIA DGX A100 datasheet",
+    "dgx_a100.pcie_gb_per_s": "24: PCIe gen4 x16, the width NCCL 2.14 assigns it (src/graph/topo.cc: 16 lanes x "
+                              "16 GT/s -> 16 x 120 / 80 GB/s)",
     "nccl": "NCCL 2.7.8 (2020-07) cost model and constants, src/graph/tuning.cc (ncclTopoTuneModel, "
             "ncclTopoGetAlgoTime): experiments/analysis/nccl.py",
 }
@@ -140,16 +167,19 @@ def from_cluster(cluster: dict | None) -> Hardware | None:
     if not cluster or any(cluster.get(k) is None for k in PROFILE_KEYS):
         return None
     name = cluster.get("name", "?")
+    cc = int(cluster.get("compute_capability") or COMPUTE_CAPABILITY.get(name, 70))
     return Hardware(
         name=name, peak_flops=cluster["peak_tflops"] * 1e12, hbm_bytes_per_s=cluster["hbm_gb_per_s"] * 1e9,
         hbm_fraction=cluster["hbm_fraction"], kernel_floor_s=cluster["kernel_floor_us"] * 1e-6,
         gpus_per_node=cluster["gpus_per_node"], pcie_bytes_per_s=cluster["pcie_gb_per_s"] * 1e9,
-        gemm=TileWaveGemm(sms=cluster["sms"], ceiling=cluster["gemm_ceiling"]),
-        # NCCL 2.7.8 turns LL128 on only for Volta (and Ampere) with NVLink
+        gemm=TileWaveGemm(sms=cluster["sms"], ceiling=cluster["gemm_ceiling"], tiles=TILES_BY_COMPUTE_CAPABILITY[cc],
+                          **dict(zip(("k_tile", "stages"), K_PIPELINE_BY_COMPUTE_CAPABILITY.get(cc, (None, 1))))),
+        # NCCL turns LL128 on only for Volta and Ampere with NVLink; the NCCL release is the
+        # system's (step_time.predict sets it; 2.7.8 until then)
         collectives=Nccl(nvlink_links=cluster["nvlink_links"], nvlink_gb_per_s=cluster["nvlink_link_gb_per_s"],
                          nics_per_node=cluster["nics_per_node"],
                          nic_gb_per_s=cluster["inter_node_gbps"] / 8 / cluster["nics_per_node"],
-                         ll128=name != "dgx_h100"),
+                         ll128=cc in (70, 80), compute_capability=cc),
         sources={k: SOURCES[f"{name}.{k}"] for k in PROFILE_KEYS if f"{name}.{k}" in SOURCES} | {"collectives": SOURCES["nccl"]})
 
 

@@ -202,13 +202,149 @@ def head_backward(x: LayerShape) -> list[Kernel]:
     ]
 
 
-def step_kernels(x: LayerShape, layers: int, recompute: bool) -> dict[str, list[tuple[Kernel, int]]]:
+# -- Megatron-DeepSpeed 2023's fused layer ------------------------------------------------------
+# megatron/model/transformer.py, fused_softmax.py, fused_bias_gelu.py, mpu/layers.py @ f01c9e6e
+# (2023-06-30), on PyTorch 2.0.1 and apex 2386a912 built with its CUDA extensions, fp16, the
+# defaults --masked-softmax-fusion, --bias-gelu-fusion, --bias-dropout-fusion; [s, b, h] layout.
+# Per layer forward, at T = b·s tokens, t the TP degree:
+#   apex FusedLayerNorm; QKV F.linear with its bias in cuBLASLt's epilogue (one GEMM); the scores
+#   by torch.baddbmm with alpha = 1/sqrt(h/a) (one GEMM, the scaling inside); apex's
+#   scaled_upper_triang_masked_softmax (scale, causal mask and softmax in one kernel); attention
+#   dropout; the context bmm; permute(2, 0, 1, 3).contiguous(); the projection F.linear without its
+#   bias (skip_bias_add); TorchScript's bias_dropout_add_fused_train (bias, dropout, residual: one
+#   fused kernel); FusedLayerNorm; two torch.tensor(0.0, device=...) (moe_loss, mlp_bias: an H2D
+#   copy each, non_blocking=False, so a cudaStreamSynchronize: the host waits for the GPU,
+#   transformer.py:537-538); MLP up without bias; bias_gelu_impl (one jit kernel); MLP down; the
+#   second bias_dropout_add. With TP the two row-parallel outputs are all-reduced (step_time).
+# Backward (autograd): each GEMM's two; the fused kernels' backward (bias_dropout_add: the
+# masked gradient and the bias gradient's sum; bias-GeLU: its gradient and the bias sum; the
+# softmax's; dropout's mask multiply); baddbmm's two bmm and their alpha multiplies; the QKV split's
+# gradient concatenated; QKV's bias sum; apex layernorm backward, three kernels
+# (cuComputePartGradGammaBeta, cuComputeGradGammaBeta, cuComputeGradInput); the residual branches'
+# gradients added; and per parameter Megatron's LocalDDP hook main_grad.add_(grad) (12 a layer,
+# megatron/model/distributed.py: its contiguous gradient buffer) [assumption: Megatron's own DDP,
+# not DeepSpeed's engine].
+def layer_forward_fused(x: LayerShape) -> list[Kernel]:
+    """One layer's forward (and its recomputation) as Megatron-DeepSpeed 2023 issues it."""
+    T, h, t, e, s = x.tokens, x.hidden, x.tp, x.element_bytes, x.seq_len
+    d, batch, S = h // x.heads, x.micro_batch * x.heads // t, x.scores
+    rep, part, ffn = T * h, T * h // t, T * 4 * h // t
+    return [
+        elementwise("layernorm 1 (apex)", rep, 1, 1, e, torch_kernel=False),
+        gemm("QKV (bias in the epilogue)", T, 3 * h // t, h, e),
+        gemm("scores (baddbmm, scaled)", s, s, d, e, batch),
+        elementwise("scale, causal mask, softmax (apex, fused)", S, 1, 1, e),
+        elementwise("attention dropout", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
+        gemm("context (bmm)", s, d, s, e, batch),
+        elementwise("context permute copy", part, 1, 1, e),
+        gemm("projection", T, h, h // t, e),
+        elementwise("bias, dropout, residual (jit, fused)", rep, 2, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("layernorm 2 (apex)", rep, 1, 1, e, torch_kernel=False),
+        Kernel("moe_loss, mlp_bias: torch.tensor on the device (H2D copy, stream sync)", bytes=4 * e, count=2),
+        gemm("MLP up", T, 4 * h // t, h, e),
+        elementwise("bias, GeLU (jit, fused)", ffn, 1, 1, e),
+        gemm("MLP down", T, h, 4 * h // t, e),
+        elementwise("bias, dropout, residual (jit, fused)", rep, 2, 1, e, extra_bytes=rep * MASK_BYTES),
+    ]
+
+
+# host syncs in one layer's forward (the two H2D copies above): the GPU cannot run ahead of them
+FUSED_LAYER_FORWARD_SYNCS = 2
+LOCAL_DDP_HOOKS_PER_LAYER = 12   # parameters of a layer (systems.parameter_tensors)
+
+
+def layer_backward_fused(x: LayerShape) -> list[Kernel]:
+    """One layer's backward as autograd runs Megatron-DeepSpeed 2023's layer (comment above)."""
+    T, h, t, e, s = x.tokens, x.hidden, x.tp, x.element_bytes, x.seq_len
+    d, batch, S = h // x.heads, x.micro_batch * x.heads // t, x.scores
+    rep, part, ffn = T * h, T * h // t, T * 4 * h // t
+    layer_params = 12 * h * h // t + 7 * h + 6 * h // t   # QKV, projection, MLP weights and their biases, 2 layernorms
+    return [
+        elementwise("bias, dropout, residual bwd (masked grad)", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("MLP down bias grad (sum)", rep, 1, 0, e),
+        *_gemm_pair("MLP down", T, h, 4 * h // t, e),
+        elementwise("bias, GeLU bwd (jit)", ffn, 2, 1, e),
+        elementwise("MLP up bias grad (sum)", ffn, 1, 0, e),
+        *_gemm_pair("MLP up", T, 4 * h // t, h, e),
+        elementwise("layernorm 2 bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
+        elementwise("residual grad add", rep, 2, 1, e),
+        elementwise("bias, dropout, residual bwd (masked grad)", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("projection bias grad (sum)", rep, 1, 0, e),
+        *_gemm_pair("projection", T, h, h // t, e),
+        elementwise("context permute copy bwd", part, 1, 1, e),
+        gemm("context dP", s, s, d, e, batch),
+        gemm("context dV", s, d, s, e, batch),
+        elementwise("attention dropout bwd", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
+        elementwise("softmax bwd (apex, fused)", S, 2, 1, e),
+        gemm("scores dQ", s, d, s, e, batch),
+        gemm("scores dK", s, d, s, e, batch),
+        elementwise("baddbmm's alpha on dQ, dK", 2 * part, 1, 1, e, count=2),
+        elementwise("QKV split grad (cat)", 3 * part, 1, 1, e),
+        elementwise("QKV bias grad (sum)", 3 * part, 1, 0, e),
+        *_gemm_pair("QKV", T, 3 * h // t, h, e),
+        elementwise("layernorm 1 bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
+        elementwise("residual grad add", rep, 2, 1, e),
+        elementwise("LocalDDP hooks: main_grad.add_(grad)", layer_params, 2, 1, e, count=LOCAL_DDP_HOOKS_PER_LAYER),
+    ]
+
+
+def head_forward_fused(x: LayerShape) -> list[Kernel]:
+    """Once per micro-batch, Megatron-DeepSpeed 2023: get_batch (the tokens' H2D copies, the
+    causal mask and position ids: get_ltor_masks_and_position_ids), the vocab-parallel embedding
+    (with TP: the out-of-range mask, the shifted ids, two masked fills), position embedding, add,
+    dropout, the transpose to [s, b, h], the final layernorm, the logits, the fp32 vocab-parallel
+    cross entropy (mpu/cross_entropy.py: up-cast, max, subtract, target mask and gather, exp,
+    sum, log, divide; 17 kernels) and the loss mask's sum and mean."""
+    T, h, t, e, s = x.tokens, x.hidden, x.tp, x.element_bytes, x.seq_len
+    rep, logits = T * h, T * x.vocab // t
+    tp_masking = 5 if t > 1 else 0
+    return [
+        Kernel("get_batch: H2D copies, slices, causal mask, position ids", bytes=float(s * s + 4 * T * 8), count=12),
+        elementwise("word embedding gather", rep, 0, 1, e, extra_bytes=T * 8.0, count=1 + tp_masking),
+        elementwise("position embedding gather", rep, 0, 1, e),
+        elementwise("embedding add", rep, 2, 1, e),
+        elementwise("embedding dropout", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("transpose to [s, b, h]", rep, 1, 1, e),
+        elementwise("final layernorm (apex)", rep, 1, 1, e, torch_kernel=False),
+        gemm("logits", T, x.vocab // t, h, e),
+        # up-cast (e in, 4 out), max (4), subtract in place (8), exp (8), sum (4), divide (8)
+        elementwise("cross entropy (fp32)", logits, 0, 0, e, extra_bytes=logits * (e + 32), count=17, torch_kernel=False),
+        Kernel("loss mask, sum, mean; loss averaged over DP (cat, divide)", bytes=T * 12.0, count=7),
+    ]
+
+
+def head_backward_fused(x: LayerShape) -> list[Kernel]:
+    T, h, t, e = x.tokens, x.hidden, x.tp, x.element_bytes
+    rep, logits = T * h, T * x.vocab // t
+    return [
+        Kernel("loss mask bwd", bytes=T * 12.0, count=3),
+        # softmax minus the one-hot (in place, 8), times the loss gradient (8), down-cast (4 in, e out)
+        elementwise("cross entropy bwd (fp32)", logits, 0, 0, e, extra_bytes=logits * (8 + 8 + 4 + e), count=5, torch_kernel=False),
+        *_gemm_pair("logits", T, x.vocab // t, h, e),
+        elementwise("final layernorm bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
+        elementwise("transpose bwd", rep, 1, 1, e),
+        elementwise("embedding dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
+        elementwise("word embedding grad (embedding_dense_backward: sort, count, scatter)", rep, 1, 1, e,
+                    extra_bytes=x.vocab // t * h * e, count=6),
+        elementwise("position embedding grad", rep, 1, 1, e, count=2),
+        elementwise("LocalDDP hooks on the embeddings and final layernorm", x.vocab // t * h + x.seq_len * h,
+                    2, 1, e, count=4),
+    ]
+
+
+# the layer and head kernel lists by code base (System.layer)
+LAYERS = {"megatron2019": (layer_forward, layer_backward, head_forward, head_backward),
+          "megatron_ds2023": (layer_forward_fused, layer_backward_fused, head_forward_fused, head_backward_fused)}
+
+
+def step_kernels(x: LayerShape, layers: int, recompute: bool, layer: str = "megatron2019") -> dict[str, list[tuple[Kernel, int]]]:
     """One micro-batch's kernels by phase, each with how many times it runs: forward, the
-    recomputed forward (empty without recomputation), backward."""
-    fwd, bwd = layer_forward(x), layer_backward(x)
-    return {"forward": [(k, layers) for k in fwd] + [(k, 1) for k in head_forward(x)],
+    recomputed forward (empty without recomputation), backward; `layer`: whose code (LAYERS)."""
+    forward, backward, head_fwd, head_bwd = LAYERS[layer]
+    fwd, bwd = forward(x), backward(x)
+    return {"forward": [(k, layers) for k in fwd] + [(k, 1) for k in head_fwd(x)],
             "recompute": [(k, layers) for k in fwd] if recompute else [],
-            "backward": [(k, layers) for k in bwd] + [(k, 1) for k in head_backward(x)]}
+            "backward": [(k, layers) for k in bwd] + [(k, 1) for k in head_bwd(x)]}
 
 
 @dataclass(frozen=True)

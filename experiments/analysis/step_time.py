@@ -26,6 +26,14 @@ Per GPU and per step, with g micro-batches accumulated:
   DeepSpeed 2020's ZeRO-2 step, this engine's unfused AdamW), plus its kernels per parameter
   tensor at the floor; with no system, a fused Adam's (systems.optimizer_bytes_per_param).
 
+A system with a host model (System.host_s_per_kernel: megatron_ds2023) is priced differently
+for its micro-batches (host_windows): the host issues each kernel and collective call at a
+measured cost while the GPU runs ahead, until a host sync (Megatron-DeepSpeed's layer syncs twice
+in every forward, kernels.FUSED_LAYER_FORWARD_SYNCS); so each window between syncs (a layer's
+forward; a layer's recomputed forward and backward; the head's forward; its backward) takes
+max(host, device). Then kernel_floors is the host time the GPU waits for, sum max(0, host -
+device), and the device terms are as above; the per-kernel floor goes.
+
 TFLOPs/GPU use the suite's FLOP convention (Narayanan et al. 2021 Eq. 3, flops.py), not the
 kernel FLOPs, so numbers compare with Megatron's and the paper's.
 """
@@ -36,8 +44,8 @@ from math import ceil
 
 from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
-from experiments.analysis.kernels import ComputeTime, LayerShape, compute_time, step_kernels
-from experiments.analysis.nccl import concurrent_groups
+from experiments.analysis.kernels import LAYERS, ComputeTime, LayerShape, compute_time, step_kernels
+from experiments.analysis.nccl import Nccl, concurrent_groups
 from experiments.analysis.systems import (SYSTEMS, DpPlan, System, dp_plan, optimizer_bytes_per_param,
                                           parameter_tensors, record_plan)
 
@@ -149,19 +157,65 @@ def half_load_fraction(x: StepInputs, system: str | System | None) -> float:
 def micro_batch_compute(x: StepInputs, hw: Hardware, system: str | System | None = None) -> dict[str, ComputeTime]:
     """One micro-batch's kernels by phase (forward, recompute, backward), as `system` runs them."""
     fraction = half_load_fraction(x, system)
+    layer = "megatron2019" if system is None else resolve_system(system).layer
     return {phase: compute_time(kernels, hw, fraction)
-            for phase, kernels in step_kernels(x.shape(), x.layers, x.recompute).items()}
+            for phase, kernels in step_kernels(x.shape(), x.layers, x.recompute, layer).items()}
+
+
+def tp_allreduce_s(x: StepInputs, hw: Hardware) -> float:
+    """One of Megatron's TP all-reduces of a layer's T·h output."""
+    if x.tp <= 1:
+        return 0.0
+    return _collective(hw, "all_reduce", x.seq_len * x.micro_batch * x.hidden * x.element_bytes, tp_group(x, hw))
+
+
+def tp_head_s(x: StepInputs, hw: Hardware) -> float:
+    """The head's TP all-reduces: the embedding's output and the logits' input gradient (T·h),
+    and the cross entropy's three of T floats."""
+    if x.tp <= 1:
+        return 0.0
+    return 2 * tp_allreduce_s(x, hw) \
+        + LOSS_FLOATS_ALLREDUCED * _collective(hw, "all_reduce", x.seq_len * x.micro_batch * 4, tp_group(x, hw))
 
 
 def tp_comm_s(x: StepInputs, hw: Hardware) -> float:
     """One micro-batch's Megatron all-reduces (module docstring)."""
-    if x.tp <= 1:
-        return 0.0
-    group, activation = tp_group(x, hw), x.seq_len * x.micro_batch * x.hidden * x.element_bytes
-    per_layer = TP_ALLREDUCES_PER_LAYER[x.recompute] * _collective(hw, "all_reduce", activation, group)
-    head = 2 * _collective(hw, "all_reduce", activation, group) \
-        + LOSS_FLOATS_ALLREDUCED * _collective(hw, "all_reduce", x.seq_len * x.micro_batch * 4, group)
-    return x.layers * per_layer + head
+    return x.layers * TP_ALLREDUCES_PER_LAYER[x.recompute] * tp_allreduce_s(x, hw) + tp_head_s(x, hw)
+
+
+def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float]:
+    """One micro-batch under a system's host model (module docstring): per window the host's
+    seconds (kernels x host_s_per_kernel + collective calls x host_s_per_collective) and the
+    device's (its kernels and the TP all-reduces); returns the summed host, device and
+    max(host, device) seconds, and `exposed`, the host time the GPU waits for."""
+    forward, backward, head_fwd, head_bwd = LAYERS[system.layer]
+    shape, fraction = x.shape(), half_load_fraction(x, system)
+
+    def window(kernels: list, collectives: int, comm_s: float) -> tuple[float, float]:
+        t = compute_time([(k, 1) for k in kernels], hw, fraction)
+        launches = sum(k.count for k in kernels)
+        return (launches * system.host_s_per_kernel + collectives * system.host_s_per_collective,
+                t.gemm_s + t.memory_bound_s + comm_s)
+    tp = x.tp > 1
+    ar = tp_allreduce_s(x, hw)
+    fwd, bwd = forward(shape), backward(shape)
+    per_layer_ar = 2 if tp else 0
+    f = window(fwd, per_layer_ar, per_layer_ar * ar)
+    b = window(bwd, per_layer_ar, per_layer_ar * ar)
+    heads = [window(head_fwd(shape), 4 if tp else 0, tp_head_s(x, hw) - (ar if tp else 0)),
+             window(head_bwd(shape), 1 if tp else 0, ar)]
+    # the forward's syncs (kernels.FUSED_LAYER_FORWARD_SYNCS) close a window per layer; with
+    # recomputation each layer's recomputed forward syncs too, so it and the backward issued after
+    # it share a window; without, the backward has no sync: one window
+    if x.recompute:
+        windows = [(f, x.layers), ((f[0] + b[0], f[1] + b[1]), x.layers)]
+    else:
+        windows = [(f, x.layers), ((b[0] * x.layers, b[1] * x.layers), 1)]
+    windows += [(w, 1) for w in heads]
+    host = sum(h * n for (h, _), n in windows)
+    device = sum(d * n for (_, d), n in windows)
+    wall = sum(max(h, d) * n for (h, d), n in windows)
+    return {"host_s": host, "device_s": device, "wall_s": wall, "exposed_s": wall - device}
 
 
 def pa_s(x: StepInputs, hw: Hardware) -> float:
@@ -231,22 +285,41 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str,
                                 floors_s=p.copy_kernels * hw.kernel_floor_s * p.grad_reductions)}
 
 
+def system_hardware(hw: Hardware, system: str | System) -> Hardware:
+    """hw as `system`'s stack sees it: NCCL's cost model of its release, and with a host model
+    its measured host cost per kernel in place of the profile's kernel floor (the optimizer's and
+    the gradient copies' kernels)."""
+    sys = resolve_system(system)
+    if isinstance(hw.collectives, Nccl) and hw.collectives.version != sys.nccl:
+        hw = replace(hw, collectives=replace(hw.collectives, version=sys.nccl))
+    if sys.host_s_per_kernel is not None:
+        hw = replace(hw, kernel_floor_s=sys.host_s_per_kernel)
+    return hw
+
+
 def predict(inputs: StepInputs, hardware: Hardware, system: str | System = "zero_repro") -> StepTime:
     """The step time of `inputs` on `hardware` run by `system` (a name of systems.SYSTEMS, or a
     System)."""
-    x, hw, g = inputs, hardware, inputs.grad_accum
+    x, hw, g = inputs, system_hardware(hardware, system), inputs.grad_accum
     sys = resolve_system(system)
     if x.stage not in sys.stages:
         raise ValueError(f"stage={x.stage} does not exist in system={sys.name} (stages {sys.stages})")
     phases = micro_batch_compute(x, hw, sys)
     micro = phases["forward"] + phases["recompute"] + phases["backward"]
     dp = dp_comm(x, hw, sys, phases)
+    floors = g * micro.floors_s
+    details = {}
+    if sys.host_s_per_kernel is not None:
+        host = host_windows(x, hw, sys)
+        floors = g * host["exposed_s"]
+        details = {"host_s": g * host["host_s"], "device_s": g * host["device_s"],
+                   "host_s_per_kernel": sys.host_s_per_kernel, "host_s_per_collective": sys.host_s_per_collective}
     terms = {"compute_gemm": g * micro.gemm_s, "compute_memory_bound": g * micro.memory_bound_s + dp["copy"].memory_bound_s,
-             "kernel_floors": g * micro.floors_s + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
+             "kernel_floors": floors + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
              "dp_comm_exposed": dp["exposed_s"], "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
              "optimizer": optimizer_s(x, hw, sys)}
-    details = {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"], "recompute": x.recompute,
-               "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
+    details |= {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"], "recompute": x.recompute,
+                "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
     return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=sys.name, details=details)
 
 
@@ -320,7 +393,10 @@ def kernel_table(x: StepInputs, hw: Hardware, system: str | System | None = None
     """One layer's and the head's kernels at x's per-GPU shape, with FLOPs, bytes and times on hw
     as `system` runs them."""
     rows, fraction = [], half_load_fraction(x, system)
-    for phase, kernels in step_kernels(x.shape(), 1, x.recompute).items():
+    layer = "megatron2019" if system is None else resolve_system(system).layer
+    if system is not None:
+        hw = system_hardware(hw, system)
+    for phase, kernels in step_kernels(x.shape(), 1, x.recompute, layer).items():
         for kernel, _ in kernels:
             device, floor = kernel.times(hw, fraction)
             rows.append({"phase": phase, "kernel": kernel.name, "gflops": kernel.flops / 1e9, "mb": kernel.bytes / 1e6,

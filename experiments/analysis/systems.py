@@ -56,6 +56,13 @@ class System:
     grad_copies_without_dp: bool = False  # the gradient copies run at DP 1 too
     # the fraction of the streaming rate its torch's fp16 kernels reach (kernels.py): scalar loads
     scalar_half_load_fraction: float = 1.0
+    layer: str = "megatron2019"          # whose layer and head kernels (kernels.LAYERS)
+    nccl: str = "2.7.8"                  # the NCCL release of its stack (nccl.VERSIONS)
+    # the host model (step_time.host_windows): seconds the host spends per kernel it issues and
+    # per collective call, the GPU running ahead of it between host syncs; None: each kernel
+    # costs the profile's additive kernel_floor_us instead (the paper's systems, zero_repro)
+    host_s_per_kernel: float | None = None
+    host_s_per_collective: float = 0.0
 
 
 def parameter_tensors(layers: int) -> int:
@@ -161,6 +168,31 @@ def deepspeed_2020(e: int, stage: int) -> OptimizerStep:
                          half_passes=frozenset({"flatten"}), kernels_per_updated_tensor=6, kernels_per_step=5)
 
 
+def megatron_float16_optimizer(e: int, stage: int) -> OptimizerStep:
+    """Megatron-DeepSpeed 2023's Float16OptimizerWithFloat16Params (megatron/optimizer/optimizer.py
+    @ f01c9e6e) over apex's FusedAdam: each parameter's fp16 main_grad up-cast to its fp32 master's
+    grad (one kernel a tensor, a Python loop), the unscale and inf check
+    (torch._amp_foreach_non_finite_check_and_unscale_), the norm (apex multi_tensor_l2norm), FusedAdam
+    (multi_tensor_adam: grad, master, m, v read; master, m, v written), the masters copied back
+    to the fp16 parameters (multi_tensor_scale) and the gradient buffer zeroed. The multi-tensor
+    launches, the found-inf and norm all-reduces over the MP group and their two .item() syncs:
+    12 kernels a step. The clip's scale (only when the norm exceeds --clip-grad) is not counted."""
+    return OptimizerStep({}, {"main_grad to the fp32 master grad": e + 4, "unscale and inf check": 8,
+                              "grad norm (multi_tensor_l2norm)": 4,
+                              "FusedAdam: grad, master, m, v read, master, m, v written": 28,
+                              "masters to the fp16 parameters": 4 + e, "gradient buffer zeroed": e},
+                         kernels_per_updated_tensor=1, kernels_per_step=12)
+
+
+# Megatron-DeepSpeed 2023 on PyTorch 2.0.1 (the development set's stack, step_time.host_windows):
+# host seconds per kernel its layer issues and per collective call, each measured on the development
+# set as one physical quantity (experiments/reports/validation.py derives both, a test keeps these
+# equal to the derivation; docs/performance_checks.md checks them against PyTorch's published
+# per-op overheads).
+MEGATRON_DS2023_HOST_S_PER_KERNEL = 39.9e-6
+MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = 48.1e-6
+
+
 # torch <= 1.4's fp16 kernels: "we typically see half operations go at ~80% of fp32 rate"
 # (N. Gimelshein, pytorch/pytorch#22612, 2019-07-15, of the pointwise kernels, which loaded one
 # element per access; torch 1.5, April 2020, vectorized its elementwise loop, pytorch/pytorch#32383).
@@ -186,6 +218,14 @@ SYSTEMS = {
                           "all-reduced during backward; stepped by Megatron-LM 2019's FP16_Optimizer [assumption: "
                           "the paper's DDP baseline ran Megatron's training loop with torch DDP]",
                           2, 0, fp16_optimizer_2019, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
+    "megatron_ds2023": System("megatron_ds2023", "Megatron-DeepSpeed 2023", (0,), False, 1,
+                              "Megatron-DeepSpeed @ f01c9e6e (2023-06) on PyTorch 2.0.1, CUDA 11.8, NCCL 2.14.3 and apex "
+                              "2386a912's fused kernels, fp16 [assumption: the development set does not state it], full "
+                              "recomputation; Megatron's LocalDDP: one contiguous fp16 gradient buffer divided and "
+                              "all-reduced after backward [assumption: not DeepSpeed's engine]; Float16Optimizer",
+                              0, 1, megatron_float16_optimizer, layer="megatron_ds2023", nccl="2.14.3",
+                              host_s_per_kernel=MEGATRON_DS2023_HOST_S_PER_KERNEL,
+                              host_s_per_collective=MEGATRON_DS2023_HOST_S_PER_COLLECTIVE),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
                          "all-gather, stage 3 prefetch", 0, 1, zero_repro_adamw),
@@ -243,7 +283,7 @@ def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, ele
     if dp <= 1:
         kept = system.grad_copies_without_dp
         return DpPlan((), reductions, (), (), copies if kept else 0.0, kernels if kept else 0)
-    if system.name == "megatron2019":
+    if system.name in ("megatron2019", "megatron_ds2023"):
         grads = [("all_reduce", psi * e)]
     elif system.name == "pytorch_ddp":
         grads = [("all_reduce", b) for b in _chunks(psi * e, DDP_BUCKET_BYTES)]
