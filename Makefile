@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --constraint constraints.txt --editable '.[test]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
+# INSTALL_SLURM=1 lets the real-Slurm tests install Debian's slurm-wlm and munge when missing
+# (root and apt-get; .ci/run sets it); without it they use a Slurm already there, or skip saying why.
+INSTALL_SLURM ?=
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	ZERO_REPRO_INSTALL_SLURM=$(INSTALL_SLURM) $(BIN)/python -m pytest -q
 
 # The numerical tests under every CPU kernel family and thread count this CPU allows
 # (a verdict must not depend on which CPU runs it): the tests marked numerical; CPU_CAPS/THREADS narrow it.

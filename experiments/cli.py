@@ -7,9 +7,13 @@ validation on it, and stops there with one line if anything is wrong.
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import itertools
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig
@@ -45,10 +49,59 @@ def preflight(config_name: str, argv: list[str], validate: Callable[[DictConfig,
                 try:
                     cfg = compose(config_name=config_name, overrides=job)
                 except Exception as e:
-                    raise ConfigError(one_line(e)) from None
+                    raise ConfigError(one_line(e) + _nearest_key(compose(config_name=config_name), str(e))) from None
+                for key in ("results_dir", "out_dir"):
+                    if cfg.get(key):
+                        check_output_folder(key, str(cfg[key]))
                 validate(cfg, remote)
     finally:
         GlobalHydra.instance().clear()
+
+
+def _nearest_key(cfg: DictConfig, message: str) -> str:
+    """"; did you mean 'stage'?" for a key Hydra could not override, when one is close."""
+    found = re.search(r"Could not override '([^']+)'|Key '([^']+)' is not in struct", message)
+    if not found:
+        return ""
+    wrong = found.group(1) or found.group(2)
+    keys: list[str] = []
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for k in node.keys():
+            keys.append(prefix + str(k))
+            value = node._get_node(k)
+            if isinstance(value, DictConfig) and not value._is_none():
+                walk(value, f"{prefix}{k}.")
+    walk(cfg, "")
+    close = difflib.get_close_matches(wrong, keys, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_output_folder(key: str, value: str) -> None:
+    """An output folder the command can create or write: not a file, nor under one."""
+    path = Path(value)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == path else f"lies under {part}, which is a file"
+                raise ConfigError(f"{key}={value} {what}: give a folder")
+            if not os.access(part, os.W_OK | os.X_OK):
+                raise ConfigError(f"{key}={value}: {part} is not writable here")
+            return
+
+
+def exit_on_interrupt(what: str) -> Callable:
+    """Ctrl-C as one line and exit code 130: what was recorded stays, and how to go on."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except KeyboardInterrupt:
+                print(f"\ninterrupted: {what}", file=sys.stderr)
+                sys.exit(130)
+        return run
+    return wrap
 
 
 def preflight_or_exit(config_name: str, argv: list[str], validate: Callable[[DictConfig, bool], None]) -> None:
@@ -71,12 +124,13 @@ def one_line(error: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     text = text.split("Config search path")[0]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    noise = ("full_key:", "object_type", "reference_type", "To append", "Set the environment", "In '")
+    noise = ("full_key:", "object_type", "reference_type", "To append", "Set the environment", "In '",
+             "invalid literal for")
     kept: list[str] = []
     for line in lines:
         if line.startswith("In '") and "Could not find" in line:
             line = line.split(": ", 1)[1]  # "In 'sweep': Could not find 'model/nope'" -> the finding
-        elif line.startswith(noise):
+        elif line.startswith(noise) or "$VALUE" in line or "$KEY" in line:  # OmegaConf's unfilled templates
             continue
         if kept and kept[-1].startswith("Available options") and ":" not in line:
             kept[-1] += (" " if kept[-1].endswith(":") else ", ") + line

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import hydra
 from omegaconf import DictConfig
 
-from experiments.cli import preflight_or_exit
+from experiments.cli import exit_on_interrupt, preflight_or_exit
 from experiments.points import ConfigError
 from experiments.schema import register
 from experiments.sweeps.plan import candidate_points, check_plan_config, run_plan
@@ -38,6 +38,7 @@ warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTen
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
+@exit_on_interrupt("the points simulated so far are kept; the same command again reuses them")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     try:

@@ -23,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.cli import preflight_or_exit
+from experiments.cli import exit_on_interrupt, preflight_or_exit
 from experiments.points import ConfigError, check_runnable_here, expand
 from experiments.run.fake import check_simulate_rank
 from experiments.schema import register
@@ -60,6 +60,8 @@ def _absolute(path: str) -> Path:
 
 
 @hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
+@exit_on_interrupt("the records written so far are kept (the point that was running says it was interrupted); "
+                   "the same command again goes on, skipping points with an ok record")
 def main(cfg: DictConfig) -> None:
     try:
         job = submitit_job()

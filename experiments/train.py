@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import hydra
 from omegaconf import DictConfig
 
-from experiments.cli import preflight_or_exit
+from experiments.cli import exit_on_interrupt, preflight_or_exit
 from experiments.commands import python_command, quoted, torchrun_command
 from experiments.points import ConfigError, cpu_normal_draws_per_s, launch_plan
 from experiments.run.fake import check_simulate_rank, simulate_and_record
@@ -41,6 +41,7 @@ def simulate(cfg: DictConfig) -> int:
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@exit_on_interrupt("rank 0's record says where the run stopped")
 def main(cfg: DictConfig) -> None:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one

@@ -3,18 +3,38 @@ a checkpoint (zero_impl.checkpoint.save) as the bare model's state_dict() in fp3
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from .checkpoint import export
+from .checkpoint import export, latest
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "export":
         print("usage: python -m zero_impl export CHECKPOINT_DIR OUT.pt", file=sys.stderr)
         return 2
+    problem = _check_paths(Path(argv[1]), Path(argv[2]))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     exported = export(argv[1], argv[2])
     print(f"{argv[2]}: {len(exported)} tensors, "
           f"{sum(t.numel() for t in exported.values() if t.is_floating_point()):,} floating-point elements")
     return 0
+
+
+def _check_paths(checkpoint: Path, out: Path) -> str | None:
+    """Why the export cannot start, in one line, or None."""
+    if not checkpoint.is_dir():
+        return f"CHECKPOINT_DIR {checkpoint} is not a folder"
+    if not (checkpoint / ".metadata").is_file():
+        newest = latest(checkpoint)
+        return (f"CHECKPOINT_DIR {checkpoint} holds no DCP checkpoint (no .metadata): "
+                + (f"its newest is {newest}" if newest else "give the folder zero_impl.checkpoint.save wrote"))
+    if out.is_dir():
+        return f"OUT.pt {out} is a folder: give a file name"
+    if not out.resolve().parent.is_dir():
+        return f"OUT.pt {out}: its folder {out.resolve().parent} does not exist"
+    return None
 
 
 if __name__ == "__main__":

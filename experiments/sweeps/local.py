@@ -52,6 +52,10 @@ def run_point(point: Point, launcher: str, results_dir: Path) -> dict:
         results = spawn(train_rank, point.gpus, with_checkpoint_dir(point, results_dir), precision, start_method=launcher,
                         timeout=point.train["timeout_s"])
         record = build_record(point, precision, launcher, "ok", results, None, started)
+    except KeyboardInterrupt:  # Ctrl-C: this point's record says so (a re-run runs it again), then stop
+        records.write_record(path, build_record(point, precision, launcher, "fail", None,
+                                                "interrupted by the user (Ctrl-C)", started))
+        raise
     except Exception as e:  # a rank failed, died or hung: record it and go on
         status, text = classify_failure(e)
         latest = zero_impl.checkpoint.latest(root) if root.exists() else None

@@ -108,6 +108,9 @@ def simulated_summary_rows(points: list[Point], results_dir: Path, rank: int = 0
             "tp": point.tp, "dp": point.dp, "stage": point.stage, "micro_batch": point.micro_batch,
             "note": point.note, "precision": r.get("precision"),
             "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
+            # what the CUDA caching allocator would reserve for it (experiments/allocator's replay)
+            "reserved_GB": mem["reserved_peak_bytes"] / gb if "reserved_peak_bytes" in mem else None,
+            "fragmentation": mem.get("fragmentation"), "alloc_retries": mem.get("alloc_retries"),
             "states_GB": breakdown.pop("model_states_GB"), **breakdown,
             "peak_phase": mem.get("peak_phase"),
             "analytic_GB": mem.get("predicted_peak", {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
@@ -128,14 +131,16 @@ def simulated_summary_rows(points: list[Point], results_dir: Path, rank: int = 0
 def simulated_summary_markdown(rows: list[dict]) -> str:
     def num(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
-    lines = ["| model | params (B) | GPUs | TP | DP | stage | ZeRO-R | micro-batch | peak (GB, simulated) | states "
+    lines = ["| model | params (B) | GPUs | TP | DP | stage | ZeRO-R | micro-batch | peak (GB, simulated) "
+             "| reserved (GB) | fragmentation | states "
              "| activations | buffers | temporaries | analytic (GB) | + reserve | device | status | cause | DP comm/step "
              "| theory | TP comm/step | TP theory |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['params_B']:.3f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['zero_r']} "
-            f"| {r['micro_batch']} | {num(r['peak_GB'])} | {num(r['states_GB'])} | {num(r['activations_GB'])} "
+            f"| {r['micro_batch']} | {num(r['peak_GB'])} | {num(r['reserved_GB'])} | {num(r['fragmentation'], '{:.3f}')} "
+            f"| {num(r['states_GB'])} | {num(r['activations_GB'])} "
             f"| {num(r['buffers_GB'])} | {num(r['temporaries_GB'])} | {num(r['analytic_GB'])} | {num(r['reserve_GB'])} "
             f"| {num(r['device_GB'], '{:.0f}')} | {r['status']} | {r['cause'] or '-'} "
             f"| {num(r['comm_elements'], '{:,}')} | {num(r['comm_theory'], '{:,}')} "

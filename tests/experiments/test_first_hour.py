@@ -129,3 +129,57 @@ def test_the_slurm_tests_install_nothing_unless_asked(monkeypatch):
     monkeypatch.setattr(slurm_harness.os, "geteuid", lambda: 0)
     slurm_harness.ensure_installed()
     assert ran and ran[0][0][0] == "apt-get"
+
+
+def preflight_error(config_name: str, *argv: str) -> str:
+    from experiments.cli import preflight
+    with pytest.raises(ConfigError) as e:
+        preflight(config_name, list(argv), lambda cfg, remote: None)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_misspelled_key_names_the_nearest_one():
+    assert preflight_error("sweep", "stag=2").endswith("did you mean 'stage'?")
+    assert preflight_error("sweep", "zero.reduce_bucket_siz=5").endswith("did you mean 'zero.reduce_bucket_size'?")
+    assert "did you mean" not in preflight_error("sweep", "qqqqqq=1")
+
+
+def test_a_wrongly_typed_value_reads_without_omegaconfs_templates():
+    text = preflight_error("sweep", "train.steps=abc")
+    assert "'abc' of type 'str' could not be converted to Integer" in text and "$VALUE" not in text
+
+
+@pytest.mark.parametrize("config_name,key", [("sweep", "results_dir"), ("plan", "results_dir"),
+                                             ("train", "results_dir"), ("report", "out_dir")])
+def test_an_output_folder_that_is_a_file_is_refused_before_any_work(tmp_path, config_name, key):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert preflight_error(config_name, f"{key}={a_file}") == f"{key}={a_file} is a file: give a folder"
+    assert "which is a file" in preflight_error(config_name, f"{key}={a_file}/sub")
+
+
+def test_export_of_a_bad_path_is_one_line_and_exit_2(tmp_path, capsys):
+    from zero_impl.__main__ import main
+    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "out.pt")]) == 2
+    assert capsys.readouterr().err == f"error: CHECKPOINT_DIR {tmp_path / 'nope'} is not a folder\n"
+    assert main(["export", str(tmp_path), str(tmp_path / "out.pt")]) == 2
+    assert "no .metadata" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_running_point_is_recorded(compose, tmp_path, monkeypatch, capsys):
+    from experiments.cli import exit_on_interrupt
+    from experiments.points import expand
+    from experiments.sweeps import local
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(local, "spawn", interrupted)
+    [point] = expand(compose("model=tiny_s", "gpus=[2]", "stage=2"))
+    with pytest.raises(KeyboardInterrupt):
+        local.run_point(point, "fork", tmp_path)
+    record = records.read_record(tmp_path / f"{point.point_id}.json")
+    assert record["status"] == "fail" and "interrupted" in record["error"]  # a re-run runs it again
+    with pytest.raises(SystemExit) as e:
+        exit_on_interrupt("how to go on")(interrupted)()
+    assert e.value.code == 130 and capsys.readouterr().err == "\ninterrupted: how to go on\n"
