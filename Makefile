@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 # INSTALL_SLURM=1 lets the real-Slurm tests install Debian's slurm-wlm and munge when missing
 # (root and apt-get; .ci/run sets it); without it they use a Slurm already there, or skip saying why.
 INSTALL_SLURM ?=
+# Two pytest workers, a test file each at a time (files share module fixtures, such as the Slurm cluster).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	ZERO_REPRO_INSTALL_SLURM=$(INSTALL_SLURM) $(BIN)/python -m pytest -q
+	ZERO_REPRO_INSTALL_SLURM=$(INSTALL_SLURM) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The numerical tests under every CPU kernel family and thread count this CPU allows
 # (a verdict must not depend on which CPU runs it): the tests marked numerical; CPU_CAPS/THREADS narrow it.

@@ -11,6 +11,7 @@ simulate=true this process plays one rank of the whole world on fake tensors
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -43,8 +44,10 @@ def simulate(cfg: DictConfig) -> int:
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 @exit_on_interrupt("rank 0's record says where the run stopped")
 def main(cfg: DictConfig) -> None:
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
-        os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one,
+    if "MASTER_PORT" not in os.environ:  # on a port no other run holds
+        os.environ["MASTER_PORT"] = str(free_port())
     try:
         if cfg.simulate:
             sys.exit(simulate(cfg))
@@ -65,6 +68,13 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
         print(launch_plan(point, cpu_normal_draws_per_s()))
     else:
         check_launcher_world(point.gpus, sys.argv[1:])
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (two world-of-one runs at once must not share 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def check_launcher_world(gpus: int, argv: list[str]) -> None:
