@@ -21,7 +21,14 @@ from experiments.reports import gemm_check, predictions, tables, zero_r
 # How ours was obtained, by the claims table's kind.
 HOW = {"formula": "formula", "measured (CPU)": "measured on CPU", "simulated": "simulated at full world size",
        "predicted": "predicted (step-time model)", "config": "config", "not checked": "not checked"}
-NOT_SIMULATED = ("-", "not in this set: simulate it (make reference)")
+NOT_SIMULATED = "-"
+
+
+def not_simulated(experiment: str, searched: bool = False) -> str:
+    """The `how` of a simulated row this record set lacks: the command that adds it to *this* set
+    (make reference would rewrite the committed one instead)."""
+    return (f"not in this set: python experiments/sweep.py experiment={experiment} simulate=true"
+            + (" simulate_largest=true" if searched else "") + ", then python experiments/report.py")
 COLUMNS = ("artefact", "paper", "ours", "how", "details")
 
 
@@ -61,45 +68,45 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
     for stage, step, column, name in (("baseline DP", "whole", "measured_baseline_paper", "baseline"),
                                       ("Pos", None, "measured_Pos_paper", "Pos")):
         found = _largest(largest, "table2", stage, step).sort_values("mp")
-        ours = (" / ".join(f"{b:.2f}" for b in found.simulated_max_B) + "B") if len(found) else NOT_SIMULATED[0]
+        ours = (" / ".join(f"{b:.2f}" for b in found.simulated_max_B) + "B") if len(found) else NOT_SIMULATED
         rows.append((f"Table 2: largest {name} measured, MP 1 / 2 / 4 / 8 / 16", " / ".join(t2[column]), ours,
-                     HOW["simulated"] if len(found) else NOT_SIMULATED[1], "table2/largest.md"))
+                     HOW["simulated"] if len(found) else not_simulated("table2", searched=True), "table2/largest.md"))
 
     fig2 = simulated[simulated.experiment == "fig2"]
     rows.append(("Figure 2: every point of ZeRO-100B and the baseline trains, 1.5B-170B", f"{len(predictions.paper_points('fig2'))} points ran",
                  f"{int(fig2.agrees_with_paper.eq(True).sum())} of {len(fig2)} fit in 32 GB" if len(fig2)
-                 else NOT_SIMULATED[0], HOW["simulated"] if len(fig2) else NOT_SIMULATED[1], "fig2/simulation.md"))
+                 else NOT_SIMULATED, HOW["simulated"] if len(fig2) else not_simulated("fig2"), "fig2/simulation.md"))
     claim("Figure 2: 100B at 38 TFLOPs/GPU, 15 PFLOPs", "S1-8")
     at170 = [r for r in records if r.get("measured_by") == "simulated" and r.get("experiment") == "fig2"
              and r["model"]["name"] == "fig2_170b" and r["stage"] == 2]
     rows.append(("Figure 2: 170B on 400 GPUs", claims.loc["S10-4"].paper,
                  (f"{'fits' if at170[0]['status'] == 'ok' else at170[0]['status']}: peak "
                   f"{at170[0]['memory']['peak_bytes'] / 1e9:.2f} GB of 32 with {at170[0].get('zero_r_config')}")
-                 if at170 else NOT_SIMULATED[0], HOW["simulated"] if at170 else NOT_SIMULATED[1], "fig2/simulation.md"))
+                 if at170 else NOT_SIMULATED, HOW["simulated"] if at170 else not_simulated("fig2"), "fig2/simulation.md"))
     claim("Figure 2: 10x the Megatron-LM baseline", "S10-7")
     claim("Figure 3: superlinear scaling, 60B at MP 16", "S1-9", claims.loc["S1-9"].ours.split("; ")[-1], "superlinear, {}")
     for stage, artefact, paper in (("Pos+g", "Figure 4: 13B without model parallelism", "A5"),
                                    ("baseline DP", "Figure 4: data parallelism alone", "S1-1")):
         found = _largest(largest, "fig4", stage)
         ours = (f"{found.simulated_max_B.iloc[0]:.2f}B largest that fits ({found.simulated_max_layers.iloc[0]} layers)"
-                if len(found) else NOT_SIMULATED[0])
+                if len(found) else NOT_SIMULATED)
         rows.append((artefact, claims.loc[paper].paper, ours,
-                     HOW["simulated"] if len(found) else NOT_SIMULATED[1], "fig4/largest.md"))
+                     HOW["simulated"] if len(found) else not_simulated("fig4", searched=True), "fig4/largest.md"))
     claim("Figure 4: throughput without model parallelism", "S10-9")
     fig6 = largest[largest.experiment == "fig6"].set_index("zero_r")
     order = [c for c in ("C1", "C2", "C3", "C4", "C5") if c in fig6.index]
     rows.append(("Figure 6: largest model per ZeRO-R configuration, " + " / ".join(order or ["C1-C5"]),
                  " / ".join(_paper_billions(fig6.paper[c]) + (" (inferred)" if "inferred" in fig6.paper[c] else "")
                             for c in order) or claims.loc["S10-11"].paper,
-                 " / ".join(f"{fig6.simulated_max_B[c]:.1f}" for c in order) + "B" if order else NOT_SIMULATED[0],
-                 HOW["simulated"] if order else NOT_SIMULATED[1], "fig6/largest.md"))
+                 " / ".join(f"{fig6.simulated_max_B[c]:.1f}" for c in order) + "B" if order else NOT_SIMULATED,
+                 HOW["simulated"] if order else not_simulated("fig6", searched=True), "fig6/largest.md"))
     statements = zero_r.fig7_statements(records)
     stated = statements[statements.agrees.notna()]
     rows.append(("Figure 7: peak memory per configuration, 40B and 100B", f"{sum(r is not None for *_, r in zero_r.STATEMENTS)} relations stated",
                  f"{int(stated.agrees.astype(bool).sum())} of {len(stated)} hold"
                  + "".join(f"; not: {words}" for words in stated.paper[~stated.agrees.astype(bool)])
                  if zero_r.fig7_records(records)
-                 else NOT_SIMULATED[0], HOW["simulated"] if zero_r.fig7_records(records) else NOT_SIMULATED[1],
+                 else NOT_SIMULATED, HOW["simulated"] if zero_r.fig7_records(records) else not_simulated("fig7"),
                  "fig7/fig7_statements.md"))
     claim("Figure 8: Pa+cpu (C5) against C4 at 60B", "S10-15")
     claim("Communication: data parallelism", "S7-1")
