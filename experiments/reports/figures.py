@@ -3,6 +3,9 @@ convention in its title; the paper's points are drawn beside ours and marked APP
 were read from a figure. Used by report.py and notebooks/figures.ipynb."""
 from __future__ import annotations
 
+import math
+import textwrap
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -10,6 +13,7 @@ matplotlib.rcParams["svg.hashsalt"] = "zero-repro"  # stable element ids: regene
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import NullLocator  # noqa: E402
 
 from experiments.analysis.memory import model_state_bytes  # noqa: E402
 
@@ -51,20 +55,70 @@ def _hw(r: dict) -> str:
     return f"{hw.get('gpu_count')} x {hw['gpu']}" if hw.get("gpu") else f"CPU {hw.get('cpu', '?')}, gloo"
 
 
+def _subplots(*grid: int, **kwargs) -> tuple[Figure, object]:
+    """plt.subplots with constrained layout: the suptitle, panel titles, tick labels and legends outside
+    the axes get their own space at any dpi (a tight_layout afterwards would overlap them again)."""
+    return plt.subplots(*grid, layout="constrained", **kwargs)
+
+
 def _two_panels(title: str, records: list[dict]) -> tuple[Figure, tuple]:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, axes = _subplots(1, 2, figsize=(12, 4.6))
     fig.suptitle(f"{title}\nmeasured on: {hardware_label(records)}", fontsize=10)
     return fig, axes
 
 
 def _finish(*axes) -> None:
     for ax in axes:
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
 
 
 def _empty(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.4")
+    """A panel with nothing to draw: its title and why, wrapped to fit, without an axis of made-up 0-1 ranges."""
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, textwrap.fill(text, 44), ha="center", va="center", transform=ax.transAxes, fontsize=9,
+            color="0.4")
+
+
+def _headroom(ax, room: float = 0.12) -> None:
+    """The y range from zero to the largest value drawn (bars, lines, marks: matplotlib's data limits)
+    plus `room` of it, for the labels written above bars and lines. Never a fixed range: a value
+    above it would run off the top unseen."""
+    top = ax.dataLim.y1
+    if math.isfinite(top) and top > 0:
+        ax.set_ylim(0, top * (1 + room))
+
+
+def _tick_label(value: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:g}{suffix}"
+    return f"{value:g}"
+
+
+def _log_axis(axis, values, base: int = 10, room: float = 1.25) -> None:
+    """A log axis spanning the data (a factor `room` beyond each end) with major ticks at 1-2-5 steps
+    (powers of two for base 2) inside it, short plain labels, and no minor labels: matplotlib's own
+    labels a narrow range's minor ticks (2x10^-1, 3x10^-1, ...) until they collide."""
+    ax = axis.axes
+    positive = [float(v) for v in values if v is not None and v > 0 and math.isfinite(v)]
+    if not positive:
+        return
+    lo, hi = min(positive) / room, max(positive) * room
+    first, last = math.floor(math.log(lo, base)), math.ceil(math.log(hi, base))
+    steps = (1,) if base != 10 or last - first > 4 else (1, 2, 5)
+    ticks = [m * base ** k for k in range(first, last + 1) for m in steps if lo <= m * base ** k <= hi]
+    if len(ticks) < 2:  # a range narrower than one step: label the data's own values, 2 digits
+        ticks = sorted({float(f"{v:.2g}") for v in (min(positive), max(positive))})
+    if axis is ax.xaxis:
+        ax.set_xscale("log", base=base)
+        ax.set_xlim(lo, hi)
+    else:
+        ax.set_yscale("log", base=base)
+        ax.set_ylim(lo, hi)
+    axis.set_ticks(ticks, [_tick_label(t) for t in ticks])
+    axis.set_minor_locator(NullLocator())
 
 
 def throughput_vs_size(records: list[dict], paper: pd.DataFrame | None = None) -> Figure:
@@ -82,11 +136,12 @@ def throughput_vs_size(records: list[dict], paper: pd.DataFrame | None = None) -
     if not chosen:
         _empty(ours, "no ok records selected")
     title = f"this suite: {chosen[0]['experiment']}, {gpus} ranks" if chosen else "this suite"
-    ours.set(xscale="log", xlabel=f"parameters ({letter})", ylabel="TFLOPs / GPU", title=title)
+    _log_axis(ours.xaxis, [r["params"] / unit for r in chosen])
+    ours.set(xlabel=f"parameters ({letter})", ylabel="TFLOPs / GPU", title=title)
     for series, marker in (("ZeRO", "s-"), ("Baseline", "^-")):
         p = paper[(paper.experiment == "fig2") & (paper.series == series) & paper.exactness.str.startswith("APPROX")]
-        theirs.plot([float(x[:-1]) for x in p.x], p.paper_tflops_per_gpu, marker, label=f"paper {series} (APPROX)")
-    theirs.set(xlabel="parameters (B)", ylabel="TFLOPs / GPU", title="paper, Figure 2: 400 V100 (read from a figure)")
+        theirs.plot([float(x[:-1]) for x in p.x], p.paper_tflops_per_gpu, marker, label=f"{series}, DeepSpeed figure (APPROX)")
+    theirs.set(xlabel="parameters (B)", ylabel="TFLOPs / GPU", title="DeepSpeed's ZeRO-2 figure (pixels): 400 V100")
     _finish(ours, theirs)
     return fig
 
@@ -102,12 +157,14 @@ def scaling(records: list[dict], paper: pd.DataFrame | None = None) -> Figure:
         if len(pts) > 1:  # the largest model in full colour, the others faint
             ours.plot(*zip(*pts), "o-", label=f"{model} {STAGE_NAMES[stage]}", color=STAGE_COLORS[STAGE_NAMES[stage]],
                       alpha=1.0 if model == largest else 0.3)
-    if not main:
+    if main:
+        ours.set_xticks(sorted({r["world_size"] for r in main}))
+    else:
         _empty(ours, "no ok records selected")
     ours.set(xlabel="GPUs (ranks)", ylabel="TFLOPs / GPU", title=f"this suite: {main[0]['experiment']}" if main else "this suite")
     p = paper[paper.experiment == "fig3"]
-    theirs.plot([int(x.split()[0]) for x in p.x], p.paper_tflops_per_gpu, "s-", label="paper 60B, ZeRO (APPROX)")
-    theirs.set(xlabel="GPUs", ylabel="TFLOPs / GPU", title="paper, Figure 3: 60B at MP 16 (read from a figure)")
+    theirs.plot([int(x.split()[0]) for x in p.x], p.paper_tflops_per_gpu, "s-", label="60B, ZeRO, DeepSpeed figure (APPROX)")
+    theirs.set(xlabel="GPUs", ylabel="TFLOPs / GPU", title="DeepSpeed's ZeRO-2 figure (pixels): 60B, MP 16")
     _finish(ours, theirs)
     return fig
 
@@ -117,7 +174,7 @@ def largest_model(records: list[dict]) -> Figure:
     (the searches of simulate_largest=true) beside the paper's number in the same panel."""
     from .tables import largest_table
     largest = largest_table(records)
-    fig, (fig4, t2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 3]})
+    fig, (fig4, t2) = _subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 3]})
     fig.suptitle("Largest model that fits a 32 GB V100: the paper beside SIMULATED maxima at the paper's world size\n"
                  "(one rank on fake tensors, peak + 1 GB CUDA reserve <= 32 GB; fragmentation, NCCL buffers and "
                  "kernel workspaces not seen)", fontsize=9)
@@ -133,7 +190,8 @@ def largest_model(records: list[dict]) -> Figure:
     if stages:
         fig4.set_xticks(range(len(stages)), [f"{s}\nmicro-batch {rows[rows.stage == s].micro_batch.iloc[0]}"
                                               for s in stages])
-        fig4.legend(fontsize=8)
+        fig4.legend(fontsize=8, loc="upper left")
+        _headroom(fig4, 0.15)
     else:
         _empty(fig4, "no simulated searches of experiment=fig4 (simulate_largest=true)")
     fig4.set(ylabel="parameters (B)", title="Figure 4: 128 V100, no model parallelism")
@@ -146,10 +204,12 @@ def largest_model(records: list[dict]) -> Figure:
             t2.plot(sel.mp, [_billions(p) for p in sel.paper], "s--", mfc="none", color=color,
                     label=f"{stage}, paper (measured)")
     if len(rows):
+        drawn = [v for line in t2.get_lines() for v in line.get_ydata()]
+        _log_axis(t2.yaxis, drawn)
+        mps = sorted({int(m) for m in rows.mp})
         t2.set_xscale("log", base=2)
-        t2.set_yscale("log")
-        t2.set_xticks([1, 2, 4, 8, 16], ["1", "2", "4", "8", "16"])
-        t2.minorticks_off()
+        t2.set_xticks(mps, [str(m) for m in mps])
+        t2.xaxis.set_minor_locator(NullLocator())
         t2.legend(fontsize=8)
     else:
         _empty(t2, "no simulated searches of experiment=table2 (simulate_largest=true)")
@@ -168,7 +228,7 @@ def largest_model_cpu(records: list[dict]) -> Figure:
     """The CPU grid: the largest model each stage trained on this machine's ranks, and its
     throughput. Every stage trains the grid's largest model: the bars show the grid, not a limit."""
     ok = _ok(records)
-    fig, ax = plt.subplots(figsize=(7, 4.4))
+    fig, ax = _subplots(figsize=(7, 4.4))
     fig.suptitle(f"CPU grid: the largest model of the grid each stage trained, and its throughput\n"
                  f"measured on: {hardware_label(ok)}; bounded by the grid's models, not by memory", fontsize=9)
     best: dict[int, dict] = {}
@@ -184,7 +244,8 @@ def largest_model_cpu(records: list[dict]) -> Figure:
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
     if not ok:
         _empty(ax, "no ok records measured on hardware")
-    ax.set(ylabel=f"parameters ({letter})", ylim=(0, max((b.get_height() for b in bars), default=1) * 1.25))
+    ax.set(ylabel=f"parameters ({letter})")
+    _headroom(ax, 0.3)  # two lines of label above each bar
     ax.grid(alpha=0.3, axis="y")
     return fig
 
@@ -231,21 +292,26 @@ def communication(records: list[dict]) -> Figure:
     """Elements moved per step, in units of Ψ, per stage: measured against 2Ψ / 3Ψ."""
     fig, (ax, detail) = _two_panels("Communication per training step (elements handed to torch.distributed)", records)
     ok = [r for r in _ok(records) if r["dp"] > 1 and r["params_per_gpu"]]
+    ax.set_title("measured (dots) vs the paper's 2Ψ, 2Ψ, 2Ψ, 3Ψ (bars)")
+    detail.set_title("per record")
+    if not ok:
+        for panel in (ax, detail):
+            _empty(panel, "no ok records with DP > 1")
+        return fig
     for stage in range(4):
         ys = [r["comm"]["elements_per_step"] / r["params_per_gpu"] for r in ok if r["stage"] == stage]
         ax.scatter([stage] * len(ys), ys, color=STAGE_COLORS[STAGE_NAMES[stage]], zorder=3)
         ax.hlines(3 if stage == 3 else 2, stage - 0.3, stage + 0.3, color="k", lw=2)
-    ax.set_xticks(range(4), [STAGE_NAMES[s] for s in range(4)])
-    ax.set(ylabel="elements per step / Ψ", ylim=(0, 3.5), title="measured (dots) vs the paper's 2Ψ, 2Ψ, 2Ψ, 3Ψ (bars)")
-    if not ok:
-        _empty(ax, "no ok records with DP > 1")
-    for stage in range(4):
         pts = sorted((r["dp"], r["comm"]["elements_per_step"]) for r in ok if r["stage"] == stage)
         if pts:
             detail.plot(*zip(*pts), "o", color=STAGE_COLORS[STAGE_NAMES[stage]], label=STAGE_NAMES[stage])
-    detail.set(xlabel="DP degree", ylabel="elements per step", yscale="log", title="per record")
-    if ok:
-        detail.legend(fontsize=8)
+    ax.set_xticks(range(4), [STAGE_NAMES[s] for s in range(4)])
+    ax.set(ylabel="elements per step / Ψ")
+    _headroom(ax, 0.15)
+    _log_axis(detail.yaxis, [r["comm"]["elements_per_step"] for r in ok])
+    detail.set_xticks(sorted({r["dp"] for r in ok}))
+    detail.set(xlabel="DP degree", ylabel="elements per step")
+    detail.legend(fontsize=8)
     return fig
 
 
@@ -265,7 +331,7 @@ def fig2_predicted(records: list[dict]) -> Figure:
     beside DeepSpeed's figure readings and the text's numbers; ZeRO/baseline speedup."""
     from .predictions import predicted_rows
     rows = [r for r in predicted_rows(records) if r["figure"] == "fig2"]
-    fig, (ax, sp) = plt.subplots(1, 2, figsize=(12.5, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, sp) = _subplots(1, 2, figsize=(12.5, 5.2), gridspec_kw={"width_ratios": [3, 2]})
     fig.suptitle(f"Figure 2: throughput vs model size, 400 V100 (baselines 384/256)\n{MODEL_NOTE}", fontsize=9)
     labels = [r["model"] for r in rows if r["series"] == "ZeRO"]
     pos = {m: i for i, m in enumerate(labels)}
@@ -288,7 +354,8 @@ def fig2_predicted(records: list[dict]) -> Figure:
         ax.plot([pos[r["model"]] for r in meas], [r["measured"] for r in meas], "*", color="k", ms=11, ls="none",
                 label="measured (this suite)")
     ax.set_xticks(range(len(labels)), labels)
-    ax.set(xlabel="model size (parameters)", ylabel="TFLOPs / GPU", ylim=(0, None), title="per-GPU throughput")
+    ax.set(xlabel="model size (parameters)", ylabel="TFLOPs / GPU", title="per-GPU throughput")
+    _headroom(ax, 0.1)
     ax.grid(alpha=0.3)
     _legend_below(ax)
     zero = [r for r in rows if r["series"] == "ZeRO" and r["speedup_predicted"]]
@@ -297,10 +364,10 @@ def fig2_predicted(records: list[dict]) -> Figure:
     sp.bar([i + 0.2 for i in xs], [r["speedup_ds_figure_APPROX"] or 0 for r in zero], 0.4, color="none",
            edgecolor=ZERO_COLOR, hatch="//", label="DeepSpeed figure (APPROX)")
     sp.axhline(10, color=TEXT_COLOR, ls=":", lw=1.2, label="paper text: up to 10x")
-    sp.set_xticks(list(xs), [r["model"] for r in zero])
-    sp.set(yscale="log", ylabel="ZeRO-100B / baseline (per GPU)", title="speedup over the baseline")
-    sp.set_yticks([1, 2, 5, 10, 20, 50], ["1", "2", "5", "10", "20", "50"])
-    sp.minorticks_off()
+    sp.set_xticks(list(xs), [r["model"] for r in zero], fontsize=8)
+    sp.set(ylabel="ZeRO-100B / baseline (per GPU)", title="speedup over the baseline")
+    _log_axis(sp.yaxis, [r["speedup_predicted"] for r in zero] + [r["speedup_ds_figure_APPROX"] for r in zero]
+              + [1, 10])  # parity and the paper's 10x in range
     sp.grid(alpha=0.3, which="both", axis="y")
     _legend_below(sp, ncol=2)
     return fig
@@ -312,7 +379,7 @@ def fig3_predicted(records: list[dict]) -> Figure:
     from .predictions import figure_readings, predicted_rows
     rows = sorted((r for r in predicted_rows(records) if r["figure"] == "fig3"), key=lambda r: r["gpus"])
     readings = figure_readings()
-    fig, (agg, per) = plt.subplots(1, 2, figsize=(12.5, 5.2))
+    fig, (agg, per) = _subplots(1, 2, figsize=(12.5, 5.2))
     fig.suptitle(f"Figure 3: 60B model, MP 16, batch per replica 16/48/48/64 (Table 6)\n{MODEL_NOTE}", fontsize=9)
     gpus = [r["gpus"] for r in rows]
     pred_total = [r["predicted"] * r["gpus"] / 1000 for r in rows]
@@ -329,11 +396,9 @@ def fig3_predicted(records: list[dict]) -> Figure:
         agg.plot([r["gpus"] for r in meas], [r["measured"] * r["gpus"] / 1000 for r in meas], "*", color="k", ms=11,
                  ls="none", label="measured (this suite)")
     agg.set_xscale("log", base=2)
-    agg.set_yscale("log", base=2)
     agg.set_xticks(gpus, [str(g) for g in gpus])
-    agg.minorticks_off()
-    ticks = [1, 2, 4, 8, 16]
-    agg.set_yticks(ticks, [str(t) for t in ticks])
+    agg.xaxis.set_minor_locator(NullLocator())
+    _log_axis(agg.yaxis, [v for line in agg.get_lines() for v in line.get_ydata()], base=2)
     agg.set(xlabel="GPUs", ylabel="aggregate PFLOPs", title="aggregate: above its dotted line = superlinear")
     agg.grid(alpha=0.3)
     _legend_below(agg, ncol=2)
@@ -352,7 +417,7 @@ def fig4_predicted(records: list[dict]) -> Figure:
     """Figure 4: data parallelism only (MP 1, 128 GPUs): ZeRO-100B up to 13B against PyTorch DDP."""
     from .predictions import predicted_rows
     rows = [r for r in predicted_rows(records) if r["figure"] == "fig4"]
-    fig, ax = plt.subplots(figsize=(12.5, 5.2))
+    fig, ax = _subplots(figsize=(12.5, 5.2))
     fig.suptitle(f"Figure 4: no model parallelism, 128 V100 (Table 10)\n{MODEL_NOTE}", fontsize=9)
     xs = range(len(rows))
     colors = [ZERO_COLOR if r["series"] == "ZeRO" else BASE_COLOR for r in rows]
@@ -369,7 +434,8 @@ def fig4_predicted(records: list[dict]) -> Figure:
         if r["measured"] is not None:
             ax.plot(i, r["measured"], "*", color="k", ms=11, ls="none")
     ax.set_xticks(list(xs), [f"{r['model']}\n{'ZeRO' if r['series'] == 'ZeRO' else 'DDP'}" for r in rows], fontsize=8)
-    ax.set(ylabel="TFLOPs / GPU", ylim=(0, 55), title="per-GPU throughput (ZeRO-100B orange, PyTorch DDP grey)")
+    ax.set(ylabel="TFLOPs / GPU", title="per-GPU throughput (ZeRO-100B orange, PyTorch DDP grey)")
+    _headroom(ax, 0.08)
     ax.grid(alpha=0.3, axis="y")
     _legend_below(ax, ncol=5)
     return fig
@@ -386,7 +452,7 @@ def fig8_predicted(records: list[dict]) -> Figure:
     and where each step's time goes. The paper prints no number for this figure."""
     from .predictions import predicted_rows
     rows = [r for r in predicted_rows(records) if r["figure"] == "fig8"]
-    fig, (ax, br) = plt.subplots(1, 2, figsize=(12.5, 5.2))
+    fig, (ax, br) = _subplots(1, 2, figsize=(12.5, 5.2))
     fig.suptitle("Figure 8: throughput per ZeRO configuration (Table 9; C1-C5 mapping inferred, results/paper)\n"
                  "predicted: experiments/analysis/step_time.py on dgx2_v100; the paper prints no numbers for "
                  "this figure (its text: C5 slower than C4 at 60B; 170B needs C5)", fontsize=9)
@@ -399,6 +465,7 @@ def fig8_predicted(records: list[dict]) -> Figure:
             ax.plot(i, r["measured"], "*", color="k", ms=11, ls="none")
     ax.set_xticks(list(xs), names, fontsize=8)
     ax.set(ylabel="TFLOPs / GPU", title="per-GPU throughput")
+    _headroom(ax, 0.1)
     ax.grid(alpha=0.3, axis="y")
     _legend_below(ax, ncol=1)
     bottom = [0.0] * len(rows)
@@ -407,7 +474,8 @@ def fig8_predicted(records: list[dict]) -> Figure:
         br.bar(list(xs), share, 0.6, bottom=bottom, color=color, label=label)
         bottom = [b + v for b, v in zip(bottom, share)]
     br.set_xticks(list(xs), names, fontsize=8)
-    br.set(ylabel="share of the predicted step", ylim=(0, 1), title="where a step goes")
+    br.set(ylabel="share of the predicted step", title="where a step goes")
+    _headroom(br, 0.0)  # the shares sum to the step; a breakdown over it would show
     _legend_below(br, ncol=3)
     return fig
 
@@ -426,15 +494,15 @@ def simulated_memory(records: list[dict]) -> Figure:
     for r in sims:
         by_exp.setdefault(r["experiment"], []).append(r)
     chosen = sorted(by_exp, key=lambda e: -len(by_exp[e]))[:2]
-    fig, axes = plt.subplots(1, max(1, len(chosen)), figsize=(13, 5.6), squeeze=False)
+    fig, axes = _subplots(1, max(1, len(chosen)), figsize=(13, 5.6), squeeze=False)
     fig.suptitle("SIMULATED peak device memory of one rank at the point's full world size (fake tensors; "
                  "CUDA 512-byte blocks; not seen: fragmentation, NCCL buffers, kernel workspaces)", fontsize=9)
     if not chosen:
         _empty(axes[0][0], "no simulated records")
     for ax, experiment in zip(axes[0], chosen):
         rs = sorted(by_exp[experiment], key=lambda r: (r["stage"] == 0, r["params"]))
-        labels = [f"{r['model']['name']}\n{STAGE_NAMES[r['stage']]} MP{r['tp']}{_zero_r_label(r)}\n{r['status']}"
-                  for r in rs]
+        labels = [f"{r['model']['name']} ({r['status']})\n{STAGE_NAMES[r['stage']]} MP{r['tp']}{_zero_r_label(r)}"
+                  for r in rs]  # two lines: a label as wide as its bar at the notebook's dpi
         bottom = [0.0] * len(rs)
         for kind, color in SIM_KINDS.items():
             heights = [r["memory"]["peak_by_kind"].get(kind, 0) / 1e9 for r in rs]
