@@ -13,7 +13,9 @@ memory. On top of that runs what a real point runs: the model built by run/build
 the point's stage, precision and knobs, and `SIM_STEPS` complete training steps (forward,
 backward, step, with the point's recomputation and gradient accumulation). Every storage the
 rank allocates is seen by `StorageTracker` (experiments/run/storage_tracker.py), which gives the
-peak device bytes, by phase and by kind, rounded to the CUDA caching allocator's 512-byte blocks.
+peak device bytes, by phase and by kind, rounded to the CUDA caching allocator's 512-byte blocks,
+and logs every allocation and free in order, which run/reserved.py replays through the caching
+allocator (experiments/allocator): the bytes the rank would *reserve*, segments and all.
 
 What changes in a simulation (and only there):
 - no values exist, so nothing data-dependent can be read: the engine's step skips its host
@@ -28,12 +30,13 @@ What changes in a simulation (and only there):
 - the optimizer runs torch's multi-tensor (foreach) AdamW, the implementation torch picks for
   CUDA tensors, when the point's cluster has GPUs.
 
-The verdict: `fits` when peak + cluster.cuda_reserve_gb (CUDA context, cuBLAS/cuDNN workspaces:
-not tensors, so not seen) <= cluster.device_memory_gb (x 1e9 bytes, the suite's convention); the
-record's status is then `ok`, else `oom` with the kind that dominates the peak named. What a
-simulation cannot see: allocator fragmentation (it counts blocks, not segments), NCCL's
-communicator buffers (the flat copies ProcessGroupNCCL makes behind list collectives it does
-see: run/nccl_list_buffers.py), kernels' workspaces, and time (no step time, no TFLOPs).
+The verdict: `fits` when the replayed allocator's reserved peak, on a device of
+cluster.device_memory_gb (x 1e9 bytes, the suite's convention) less cluster.cuda_reserve_gb (the
+CUDA context and what lives outside the allocator), never runs out of memory; the record's
+status is then `ok`, else `oom` with the kind that dominates the tensor peak named. What a
+simulation cannot see: NCCL's communicator buffers (the flat copies ProcessGroupNCCL makes behind
+list collectives it does see: run/nccl_list_buffers.py), kernels' workspaces outside the
+allocator, when other streams release the blocks they used, and time (no step time, no TFLOPs).
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engin
 from experiments.run.collective_counter import CollectiveCounter
 from experiments.run.nccl_list_buffers import NcclListBuffers
 from experiments.run.record import simulated_path, simulated_record
+from experiments.run.reserved import alloc_conf_from_env, cublas_workspace_bytes, reserved_memory
 from experiments.run.storage_tracker import StorageTracker, label_engine
 
 SIM_STEPS = 2  # optimizer steps: the first creates the optimizer states, the second runs with them
@@ -131,7 +135,7 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
     device = torch.device("cpu")
     dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"])
     torch.manual_seed(t["seed"])
-    tracker = StorageTracker()
+    tracker = StorageTracker(cublas_workspace_bytes=cublas_workspace_bytes(point) if fake else 0)
     counter = CollectiveCounter({"tp": tp_group, "dp": dp_group})
     seconds: dict[str, float] = {}
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -171,8 +175,11 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
                 label_engine(tracker, engine)
         phase(None)
         stats = engine.stats()
-    return {"rank": dist.get_rank(), "memory": tracker.summary(), "stats": stats, "tp_traffic": counter.summary(),
-            "phase_seconds": seconds, "steps": steps, "foreach": foreach}
+    replayed = time.perf_counter()
+    reserved = reserved_memory(point, tracker.events)
+    seconds["allocator_replay"] = time.perf_counter() - replayed
+    return {"rank": dist.get_rank(), "memory": tracker.summary(), "reserved": reserved, "stats": stats,
+            "tp_traffic": counter.summary(), "phase_seconds": seconds, "steps": steps, "foreach": foreach}
 
 
 def simulate_point(point_dict: dict, precision: str, rank: int = 0, *, steps: int = SIM_STEPS,
@@ -215,6 +222,7 @@ def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> tuple
     results_dir/<experiment>/simulated/; the record and its path (a point that does not fit is
     a successful simulation: its record says oom; a failed one has no `simulation` entry)."""
     check_simulate_rank([point], rank)
+    alloc_conf_from_env()  # a bad PYTORCH_CUDA_ALLOC_CONF is refused before the simulation starts
     precision, started = simulated_precision(point), records.now()
     try:
         result, error = simulate_point(point.as_dict(), precision, rank,

@@ -59,6 +59,7 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         }
         record["comm"] = {**engine_traffic(point, stats), "loss_scale": stats["loss_scale"],
                           "skipped_steps": stats["skipped_steps"]}
+        record["optimizer"] = stats["optimizer"]  # torch AdamW's implementation (run/build.py)
     return record
 
 
@@ -77,8 +78,10 @@ def classify_failure(error: BaseException) -> tuple[str, str]:
 
 def engine_traffic(point: Point, stats: dict) -> dict:
     """The engine's traffic in its last step (zero_impl's ledger: what it handed to
-    torch.distributed) beside the paper's 2Ψ (stages 0-2) or 3Ψ (stage 3) per step."""
-    theory = (3 if point.stage == 3 else 2) * stats["psi"] if point.dp > 1 else 0
+    torch.distributed) beside the paper's 2Ψ (stages 0-2) or 3Ψ (stage 3) per step, the
+    latter less the root unit's second gather that stage3_keep_root saves."""
+    kept = stats.get("stage3", {}).get("root_kept_elements", 0)
+    theory = ((3 * stats["psi"] - kept) if point.stage == 3 else 2 * stats["psi"]) if point.dp > 1 else 0
     last = stats["comm"]["last_step"]
     return {"elements_per_step": last["elements"], "bytes_per_step": last["bytes"],
             "theory_elements_per_step": theory, "by_kind": last["by_kind"], "by_purpose": last["by_purpose"]}
@@ -88,14 +91,19 @@ def engine_traffic(point: Point, stats: dict) -> dict:
 MEASURED_BY = "simulated"
 
 
-def verdict(point: Point, peak_bytes: int) -> dict:
-    """fits: peak + the cluster's CUDA reserve within its device memory (None: unknown device)."""
+def verdict(point: Point, peak_bytes: int, reserved: dict | None = None) -> dict:
+    """fits: what the caching allocator reserves (`reserved`: run/reserved.py's replay, which
+    ran out of memory or not on the device less the cluster's CUDA reserve), else the tensor
+    peak, plus that reserve within the device's memory (None: unknown device)."""
     device_gb = point.cluster.get("device_memory_gb")
     reserve = float(point.cluster.get("cuda_reserve_gb") or 0.0) * 1e9
+    held = reserved["reserved_peak_bytes"] if reserved else peak_bytes
+    out = {"fits": None, "device_bytes": None, "cuda_reserve_bytes": reserve, "needed_bytes": held + reserve,
+           "decided_on": "reserved" if reserved else "allocated"}
     if device_gb is None:
-        return {"fits": None, "device_bytes": None, "cuda_reserve_bytes": reserve, "needed_bytes": peak_bytes + reserve}
-    return {"fits": peak_bytes + reserve <= device_gb * 1e9, "device_bytes": device_gb * 1e9,
-            "cuda_reserve_bytes": reserve, "needed_bytes": peak_bytes + reserve}
+        return out
+    fits = held + reserve <= device_gb * 1e9 and not (reserved and reserved["oom"])
+    return {**out, "fits": fits, "device_bytes": device_gb * 1e9}
 
 
 def simulated_record(point: Point, precision: str, result: dict | None, error: str | None, started: str,
@@ -110,16 +118,21 @@ def simulated_record(point: Point, precision: str, result: dict | None, error: s
         record.update(measured_by=MEASURED_BY, simulated_rank=rank)
         record["memory"]["predicted_peak"] = _analytic(analytic)
         return record
-    mem, stats = result["memory"], result["stats"]
-    v = verdict(point, mem["peak_bytes"])
+    mem, stats, reserved = result["memory"], result["stats"], result.get("reserved")
+    v = verdict(point, mem["peak_bytes"], reserved)
     status = "ok" if v["fits"] is not False else "oom"
     cause, error = oom_cause(mem, v), None
     if status == "oom":
         breakdown = ", ".join(f"{k} {mem['peak_by_kind'][k] / 1e9:.2f}" for k in KINDS if mem["peak_by_kind"][k])
-        why = ("without them the peak would fit: activations are the cause (ZeRO-R's partitioned activations "
-               "and CPU checkpointing address them)" if cause == "activations" else "even without activations it "
-               f"does not fit: the largest kind is {cause}")
-        error = (f"simulated out of memory: peak {mem['peak_bytes'] / 1e9:.2f} GB (in {mem['peak_phase']}) + "
+        why = {"activations": "without them the peak would fit: activations are the cause (ZeRO-R's partitioned "
+                              "activations and CPU checkpointing address them)",
+               "fragmentation": "the tensors fit: the allocator's cached and split segments are the cause"
+                                + (" (expandable_segments:True makes it fit)"
+                                   if reserved and not reserved["expandable"]["oom"] else "")}.get(
+            cause, f"even without activations it does not fit: the largest kind is {cause}")
+        held = (f"reserved {reserved['reserved_peak_bytes'] / 1e9:.2f} GB with the allocator out of memory "
+                f"({reserved['alloc_retries']} retries) for tensors peaking at " if reserved else "")
+        error = (f"simulated out of memory: {held}{mem['peak_bytes'] / 1e9:.2f} GB (in {mem['peak_phase']}) + "
                  f"{v['cuda_reserve_bytes'] / 1e9:.2f} GB CUDA reserve > {v['device_bytes'] / 1e9:.0f} GB; "
                  f"at the peak ({breakdown} GB) {why}")
     record = build_record(point, precision, "simulate", status, None, error, started)
@@ -133,7 +146,7 @@ def simulated_record(point: Point, precision: str, result: dict | None, error: s
                 "measured_max_over_ranks": {**stats["memory"], "peak_bytes": mem["peak_bytes"]},
                 "peak_bytes": mem["peak_bytes"], "peak_by_kind": mem["peak_by_kind"], "peak_phase": mem["peak_phase"],
                 "host_peak_bytes": mem["host_peak_bytes"], "rounding": mem["rounding"], "timeline": mem["timeline"],
-                **v, "cause": cause},
+                **_reserved_fields(reserved), **v, "cause": cause},
         comm={**engine_traffic(point, stats),
               # ZeroDP's own traffic (what 2Ψ/3Ψ counts), without ZeRO-R's Pa all-gathers over the TP group
               "dp_elements_per_step": sum(v["elements"] for k, v in last["by_purpose"].items() if k != "activations"),
@@ -146,16 +159,31 @@ def simulated_record(point: Point, precision: str, result: dict | None, error: s
               "other_groups": {g: v for g, v in result["tp_traffic"].items() if g != "tp"}},
         simulation={"steps": result["steps"], "wall_s": result.get("wall_s"), "phase_seconds": result["phase_seconds"],
                     "optimizer_foreach": result["foreach"], "rank": rank},
+        optimizer=stats["optimizer"],
     )
     return record
 
 
+def _reserved_fields(reserved: dict | None) -> dict:
+    """The allocator's replay beside the tensor peak: reserved_peak_bytes, its fragmentation and
+    retries, and the whole replay (options recorded) under `allocator`."""
+    if not reserved:
+        return {}
+    return {"reserved_peak_bytes": reserved["reserved_peak_bytes"],
+            "allocated_peak_bytes": reserved["allocated_peak_bytes"], "fragmentation": reserved["fragmentation"],
+            "alloc_retries": reserved["alloc_retries"], "segments_peak": reserved["segments_peak"],
+            "allocator": reserved}
+
+
 def oom_cause(mem: dict, v: dict) -> str | None:
-    """What a point that does not fit runs out on: "activations" when the peak without them
+    """What a point that does not fit runs out on: "fragmentation" when its tensors would fit
+    but the allocator's reserved segments do not, "activations" when the peak without them
     would fit (the Figure 2 points the paper trains with ZeRO-R's Pa), else the largest kind at
     the peak. None when it fits or the device is unknown."""
     if v["fits"] is not False:
         return None
+    if v.get("decided_on") == "reserved" and mem["peak_bytes"] + v["cuda_reserve_bytes"] <= v["device_bytes"]:
+        return "fragmentation"
     kinds = mem["peak_by_kind"]
     if mem["peak_bytes"] - kinds.get("activations", 0) + v["cuda_reserve_bytes"] <= v["device_bytes"]:
         return "activations"

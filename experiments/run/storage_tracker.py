@@ -39,6 +39,20 @@ in backward, and, while the engine is being built, the part building it (`_BUILD
 
 Sizes are rounded as the CUDA caching allocator rounds blocks: up to a multiple of 512 bytes
 (`CUDA_BLOCK`), per storage. Totals exclude `host`.
+
+The event log (`events`): what the step asks of the CUDA caching allocator, in order, for the
+replay in experiments/allocator: each device storage's allocation (its raw requested bytes),
+its free, and a resize as the CUDA backend runs one (resize_bytes_cuda: a new block allocated,
+the old copied and freed), each on the stream it is allocated on (`stream`: 0, the compute
+stream, unless a caller sets another); and what a GPU allocates that no fake kernel does:
+cuBLAS's workspace, one per stream on its first GEMM (CublasHandlePool.cpp
+getCurrentCUDABlasHandle -> getCUDABlasWorkspace: `cublas_workspace_bytes`, allocated through
+the caching allocator, never freed). zero_impl allocates every device buffer on the compute
+stream: its side stream (ZeRO-R Pa+cpu's copies) and NCCL's streams only use blocks allocated
+there. What the log cannot see: when another stream's use of a block ends (record_stream: the
+block returns to the pool after that stream's work, later than the free logged here),
+allocations outside the caching allocator (NCCL's communicator buffers, the CUDA context), and
+kernels' internal workspaces not taken through it (cuDNN's, flash attention's, NCCL's).
 """
 from __future__ import annotations
 
@@ -55,6 +69,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 import zero_impl
+from experiments.allocator import Event
 from zero_impl.flat_params import FlatParamBuffer
 from zero_impl.grad_reducer import BucketedGradReducer
 from zero_impl.optimizer import ShardedOptimizer
@@ -82,6 +97,9 @@ _DISPATCH_CODE = ("/torch/_dynamo/", "/torch/_compile.py", "/torch/_ops.py", "/t
 _THIS_FILE = str(Path(__file__).resolve())
 # megatron's CPU initialization draws each full weight on the host (experiments/models/megatron_gpt.py)
 _HOST_FUNCTIONS = {"_initialize_affine_weight_cpu", "init_parameter"}
+# the ops that run a cuBLAS GEMM on CUDA (at::cuda::blas gemm/bgemm): the first on a stream takes its workspace
+_GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+          torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten._addmm_activation.default}
 
 
 def cuda_block_bytes(nbytes: int, block: int = CUDA_BLOCK) -> int:
@@ -93,6 +111,7 @@ def cuda_block_bytes(nbytes: int, block: int = CUDA_BLOCK) -> int:
 class _Info:
     nbytes: int          # rounded to CUDA_BLOCK
     kind: str            # until counted, if pending: the kind it takes unless the engine holds it
+    key: int = -1        # its allocation in the event log (-1: none logged: host memory, or 0 bytes)
     ref: weakref.ref | None = None
     pending: bool = False  # allocated by the engine's code, not counted yet (StorageTracker._settle)
 
@@ -125,10 +144,17 @@ class StorageTracker(TorchDispatchMode):
         tracker.peak_bytes, tracker.peak_by_kind, tracker.timeline
     """
 
-    def __init__(self, block: int = CUDA_BLOCK) -> None:
-        """block: sizes are rounded up to a multiple of it (1: the storages' own bytes)."""
+    def __init__(self, block: int = CUDA_BLOCK, cublas_workspace_bytes: int = 0) -> None:
+        """block: sizes are rounded up to a multiple of it (1: the storages' own bytes);
+        cublas_workspace_bytes: cuBLAS's workspace per stream in the event log (0: none, as on CPU)."""
         super().__init__()
         self.block = block
+        self.cublas_workspace_bytes = cublas_workspace_bytes
+        self.stream = 0                      # the stream new allocations are logged on (0: compute)
+        self._events: list[Event | None] = []  # None: an allocation found later to be host memory
+        self._alloc_at: dict[int, int] = {}  # live key -> its alloc's index in _events
+        self._keys = 0
+        self._workspace_streams: set[int] = set()
         self._live = WeakIdKeyDictionary()   # UntypedStorage -> _Info
         self.by_kind = dict.fromkeys(KINDS + ("host",), 0)
         self.total = 0                       # device bytes (host excluded)
@@ -186,6 +212,40 @@ class StorageTracker(TorchDispatchMode):
     def _on_free(self, info: _Info, _ref) -> None:
         self._settle()  # this storage too, if pending: counted, then freed
         self._add(info.kind, -info.nbytes)
+        self._log_free(info)
+
+    # -- the event log ----------------------------------------------------------------------
+    def _log_alloc(self, info: _Info, raw_bytes: int) -> None:
+        """Log `info`'s allocation of `raw_bytes` now (none for host memory or 0 bytes)."""
+        info.key = -1
+        if raw_bytes == 0 or info.kind == "host":
+            return
+        info.key, self._keys = self._keys, self._keys + 1
+        self._alloc_at[info.key] = len(self._events)
+        self._events.append(Event("alloc", info.key, raw_bytes, self.stream))
+
+    def _log_free(self, info: _Info) -> None:
+        if info.key >= 0 and self._alloc_at.pop(info.key, None) is not None:
+            self._events.append(Event("free", info.key, 0, self.stream))
+        info.key = -1
+
+    def _unlog(self, info: _Info) -> None:
+        """`info` turned out to be host memory: its allocation never reached the device."""
+        i = self._alloc_at.pop(info.key, None) if info.key >= 0 else None
+        if i is not None:
+            self._events[i] = None
+        info.key = -1
+
+    def _log_gemm_workspace(self) -> None:
+        if self.cublas_workspace_bytes and self.stream not in self._workspace_streams:
+            self._workspace_streams.add(self.stream)
+            self._events.append(Event("alloc", self._keys, self.cublas_workspace_bytes, self.stream))
+            self._keys += 1  # held for the process's life (cublas_handle_stream_to_workspace)
+
+    @property
+    def events(self) -> list[Event]:
+        """The event log so far, in order (allocations later found to be host memory left out)."""
+        return [e for e in self._events if e is not None]
 
     def track(self, t: torch.Tensor, kind: str | None = None) -> None:
         """Account for `t`'s storage if new (kind: given, or from the engine's state, the phase
@@ -200,6 +260,7 @@ class StorageTracker(TorchDispatchMode):
             info = _Info(cuda_block_bytes(st.nbytes(), self.block), kind)
             info.ref = weakref.ref(st, lambda ref, info=info: self._on_free(info, ref))
             self._live[st] = info
+            self._log_alloc(info, st.nbytes())
             if engine_code and self._engine() is not None:  # its kind: the engine's, once it holds it
                 info.pending = True
                 self._pending.append((info, weakref.ref(st)))
@@ -214,6 +275,10 @@ class StorageTracker(TorchDispatchMode):
             self._settle()
             old, info.nbytes = info.nbytes, nbytes
             self._add(info.kind, nbytes - old)
+            if info.kind != "host":  # resize_bytes_cuda: the new block, then the old one freed
+                old_info = _Info(old, info.kind, info.key)
+                self._log_alloc(info, st.nbytes())
+                self._log_free(old_info)
 
     def _engine(self):
         engine = self.engine() if self.engine is not None else None
@@ -233,6 +298,8 @@ class StorageTracker(TorchDispatchMode):
                 alive = st()
                 info.kind = held.get(alive._cdata, info.kind) if alive is not None else info.kind
                 info.pending = False
+                if info.kind == "host":
+                    self._unlog(info)
                 self._add(info.kind, info.nbytes)
         finally:
             self._settling = False
@@ -252,7 +319,11 @@ class StorageTracker(TorchDispatchMode):
                 self.by_kind[kind] += info.nbytes
                 if "host" in (info.kind, kind):  # moves bytes in or out of the device total
                     self.total += info.nbytes if info.kind == "host" else -info.nbytes
-                info.kind = kind
+                was_host, info.kind = info.kind == "host", kind
+                if kind == "host":
+                    self._unlog(info)
+                elif was_host:
+                    self._log_alloc(info, st.nbytes())
 
     def live_bytes(self, kind: str | None = None) -> int:
         self._settle()
@@ -289,6 +360,8 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self.track(t)
+        if func in _GEMMS:  # the output is allocated before the GEMM takes its handle's workspace
+            self._log_gemm_workspace()
         return out
 
     def __enter__(self):

@@ -13,8 +13,12 @@
    is never simulated. The simulated rank confirms: in order of predicted speed, candidates
    are simulated at full world size (one rank on fake tensors, run/fake.py, `workers` at a
    time, as the `largest` search does) until `confirm` of them fit or `max_simulations` ran.
-   Its peak is what the CUDA caching allocator would hold for tensors, so a confirmed row
-   rests on the real code path, not a ledger.
+   Its event log is replayed through PyTorch's CUDA caching allocator (experiments/allocator):
+   a confirmed row fits on the bytes the allocator would *reserve* (segments, cached and split
+   blocks included) on the device less the CUDA context, so it rests on the real code path,
+   not a ledger. Where torch's default allocator options do not fit and
+   expandable_segments:True does, the row fits with that, and its commands set
+   PYTORCH_CUDA_ALLOC_CONF.
 4. Rows: those that fit first (a simulated verdict over an analytic one), fastest first (tokens
    per second, the whole job's); then
    the rest by peak, so a user sees why. Each row carries the train.py overrides that run it
@@ -52,7 +56,7 @@ ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytic
 ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
           "Pa+cpu": {"partition_activations": True, "cpu_checkpointing": True}}
 CSV_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
-               "fits", "peak_gb", "peak_source", "limit_gb", "headroom_gb", "states_gb", "activations_gb", "peak_phase",
+               "fits", "peak_gb", "reserved_gb", "fragmentation", "alloc_conf", "peak_source", "limit_gb", "headroom_gb", "states_gb", "activations_gb", "peak_phase",
                "tflops_per_gpu_predicted", "tokens_per_s_predicted",
                "step_s_predicted", "dominant", "point_id", "overrides", "command", "sbatch")
 
@@ -69,6 +73,7 @@ class Candidate:
     analytic: dict                 # points.predicted_memory_bytes: total and its parts
     step: st.StepTime | None
     simulated_peak: float | None = None
+    reserved: dict | None = None   # the simulated record's memory.allocator: the caching allocator's replay
     simulation_error: str | None = None
     deepspeed_config: str = ""     # the JSON the plan was made under: the printed commands pass it on
 
@@ -77,12 +82,32 @@ class Candidate:
         return self.analytic["total"]
 
     @property
-    def peak(self) -> float:
+    def tensor_peak(self) -> float:
         return self.analytic_peak if self.simulated_peak is None else self.simulated_peak
 
     @property
+    def alloc_conf(self) -> str:
+        """PYTORCH_CUDA_ALLOC_CONF the row runs with: expandable segments where only they fit."""
+        r = self.reserved
+        if r and r["oom"] and not r["expandable"]["oom"] and r["expandable"]["reserved_peak_bytes"] <= self.limit:
+            return r["expandable"]["conf"]
+        return r["conf"] if r else ""
+
+    @property
+    def replayed(self) -> dict | None:
+        """The allocator's replay under alloc_conf (None: not simulated, or a record without one)."""
+        r = self.reserved
+        return None if r is None else r["expandable"] if self.alloc_conf != r["conf"] else r
+
+    @property
+    def peak(self) -> float:
+        """What must fit: the reserved peak once replayed, else the tensor peak."""
+        return self.tensor_peak if self.replayed is None else self.replayed["reserved_peak_bytes"]
+
+    @property
     def fits(self) -> bool:
-        return self.simulation_error is None and self.peak <= self.limit
+        replayed = self.replayed
+        return self.simulation_error is None and self.peak <= self.limit and not (replayed and replayed["oom"])
 
     @property
     def speed(self) -> float:
@@ -276,6 +301,7 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
             record = done_record(results_dir, c.point, rank)
             if record and record.get("memory", {}).get("peak_bytes"):
                 c.simulated_peak = float(record["memory"]["peak_bytes"])
+                c.reserved = record["memory"].get("allocator")
             else:
                 todo.append(c)
         by_id = {c.point.point_id: c for c in todo}
@@ -284,6 +310,7 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
             peak = record.get("memory", {}).get("peak_bytes")
             if record["status"] in ("ok", "oom") and peak:
                 c.simulated_peak = float(peak)
+                c.reserved = record["memory"].get("allocator")
             else:
                 c.simulation_error = (record.get("error") or record["status"]).strip().splitlines()[-1]
         ran += len(todo)
@@ -359,11 +386,17 @@ def overrides(c: Candidate, base_model: str | None = None) -> str:
     return " ".join(parts)
 
 
-def sbatch_line(point: Point, train_overrides: str) -> str:
-    """slurm/run_point.sh on whole nodes (check_plan_config: a job of more than a node fills them)."""
+def _with_env(command: str, alloc_conf: str) -> str:
+    return f"PYTORCH_CUDA_ALLOC_CONF={shlex.quote(alloc_conf)} {command}" if alloc_conf else command
+
+
+def sbatch_line(point: Point, train_overrides: str, alloc_conf: str = "") -> str:
+    """slurm/run_point.sh on whole nodes (check_plan_config: a job of more than a node fills them);
+    the allocator's options exported to the job when the row needs them."""
     per_node = point.cluster["gpus_per_node"]
     nodes, gpus_per_node = max(1, point.gpus // per_node), min(per_node, point.gpus)
-    return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {train_overrides}"
+    export = f" --export=ALL,PYTORCH_CUDA_ALLOC_CONF={alloc_conf}" if alloc_conf else ""
+    return f"sbatch{export} --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {train_overrides}"
 
 
 def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dict]:
@@ -373,7 +406,10 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
         out.append({"rank": i, "stage": p.stage, "tp": p.tp, "dp": p.dp, "micro_batch": p.micro_batch,
                     "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
                     "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
-                    "peak_gb": round(c.peak / 1e9, 2), "limit_gb": round(c.limit / 1e9, 2),
+                    "peak_gb": round(c.tensor_peak / 1e9, 2),
+                    "reserved_gb": round(c.replayed["reserved_peak_bytes"] / 1e9, 2) if c.replayed else None,
+                    "fragmentation": round(c.replayed["fragmentation"], 3) if c.replayed else None,
+                    "alloc_conf": c.alloc_conf, "limit_gb": round(c.limit / 1e9, 2),
                     "headroom_gb": round((c.limit - c.peak) / 1e9, 2),
                     "states_gb": round(c.analytic["model_states"] / 1e9, 2),
                     "activations_gb": round(c.analytic["activations"] / 1e9, 2), "peak_phase": c.analytic["peak_phase"],
@@ -383,13 +419,14 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
                     "tokens_per_s_predicted": round(c.speed) if step else None,
                     "step_s_predicted": round(step.step_s, 3) if step else None,
                     "dominant": step.dominant() if step else None, "point_id": p.point_id,
-                    "overrides": command, "command": train_command(command, p.gpus, p.cluster["gpus_per_node"]),
-                    "sbatch": sbatch_line(p, command)})
+                    "overrides": command,
+                    "command": _with_env(train_command(command, p.gpus, p.cluster["gpus_per_node"]), c.alloc_conf),
+                    "sbatch": sbatch_line(p, command, c.alloc_conf)})
     return out
 
 
 TABLE_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
-                 "fits", "peak_gb", "headroom_gb", "peak_source", "states_gb", "activations_gb",
+                 "fits", "peak_gb", "reserved_gb", "fragmentation", "headroom_gb", "peak_source", "states_gb", "activations_gb",
                  "tflops_per_gpu_predicted", "tokens_per_s_predicted", "dominant")
 
 
@@ -409,7 +446,8 @@ def markdown(plan_rows: list[dict], header: str, top: int) -> str:
         best = fit[0]
         out += ["", "Run the best:", "", "```",
                 best["command"],
-                f"{python_command()} experiments/train.py {best['overrides']} simulate=true   # its memory, here",
+                _with_env(f"{python_command()} experiments/train.py {best['overrides']} simulate=true",
+                          best["alloc_conf"]) + "   # its memory, here",
                 best["sbatch"], "```"]
     out += ["", f"**Does not fit: {len(misses)} configurations; the {min(top, len(misses))} nearest**", ""]
     out += table(misses[:top]) if misses else ["Everything fits."]
@@ -512,7 +550,7 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
     speed = (f"speed predicted for system {cfg.system} on {hw.name} (analysis/step_time.py)" if hw else
              f"cluster {cluster['name']} has no step-time profile: speed not predicted, rows ordered by memory")
     header = (f"**Plan: {cfg.model.name} ({params / 1e9:.2f}B parameters) on {cfg.gpus} GPUs of {cluster['name']}**\n\n"
-              f"{len(candidates)} configurations; limit {candidates[0].limit / 1e9:.2f} GB per GPU for tensors "
+              f"{len(candidates)} configurations; limit {candidates[0].limit / 1e9:.2f} GB per GPU for what the caching allocator reserves "
               f"({cluster['device_memory_gb']:g} GB less {cluster['cuda_reserve_gb']:g} GB CUDA reserve); "
               f"{ran + reused} simulated at full world size"
               + (f" ({reused} of them records of earlier plans)" if reused else "")

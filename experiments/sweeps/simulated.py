@@ -12,6 +12,7 @@ from experiments.launch import ChildPool
 from experiments.points import Point
 from experiments.run.fake import check_simulate_rank, is_gpu_cluster, simulate_point, simulated_precision
 from experiments.run.record import simulated_path, simulated_record
+from experiments.run.reserved import alloc_conf_from_env
 from experiments.sweeps.summary import simulated_summary_markdown, simulated_summary_rows, write_summary_csv
 
 
@@ -44,10 +45,14 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
 def done_record(results_dir: Path, point: Point, rank: int) -> dict | None:
     """The point's simulated record if it stands for this simulation (status ok or oom, the same
     rank), else None. A point's id leaves its cluster out, while its verdict (device memory,
-    reserve) and "auto" precision depend on it: only a record of the same cluster and precision counts."""
+    reserve) and "auto" precision depend on it: only a record of the same cluster and precision counts,
+    and one with the caching allocator's replay (memory.reserved_peak_bytes) under this process's
+    PYTORCH_CUDA_ALLOC_CONF."""
     existing = records.read_record(simulated_path(results_dir, point, rank))
+    replayed = (existing or {}).get("memory", {}).get("allocator") or {}
     if existing and existing.get("config", {}).get("cluster") == point.cluster \
             and existing.get("precision") == simulated_precision(point) \
+            and replayed.get("conf") == alloc_conf_from_env().as_conf() \
             and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank:
         return existing
     return None

@@ -265,7 +265,8 @@ def test_a_simulated_record_of_another_cluster_is_not_skipped_as_done(tmp_path, 
     v100, h100 = (make_point("tiny_s", 2, 8, 1, 2, cluster=c) for c in ("dgx2_v100", "dgx_h100"))
     assert v100.point_id == h100.point_id
     write_record(simulated_path(tmp_path, v100), {"point_id": v100.point_id, "status": "ok", "simulated_rank": 0,
-                                                  "precision": "fp16", "config": {"cluster": v100.cluster}})
+                                                  "precision": "fp16", "config": {"cluster": v100.cluster},
+                                                  "memory": {"allocator": {"conf": ""}}})  # replayed, default options
     ran = []
     monkeypatch.setattr(sweeps_simulated, "run_simulated", lambda points, *a, **k: ran.extend(points) or [])
     monkeypatch.setattr(sweeps_simulated, "simulated_summary_rows", lambda *a: [])
