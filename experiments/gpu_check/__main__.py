@@ -23,7 +23,10 @@
    prefetched and exact, and what it costs in memory and time;
 6. bench: experiments/bench_engine.py at world 1, a few steps per system;
 7. after the 1.3B row, the step-time model (prediction_rows.py): the device's GEMM curve and the 1.3B point's step
-   time, each beside what experiments/analysis/step_time.py predicts on the device's profile.
+   time, each beside what experiments/analysis/step_time.py predicts on the device's profile;
+8. the allocator (memory_rows.py; CUDA only): tiny_m and the 1.3B point, MD off and on, under
+   _record_memory_history: the caching allocator's replay equal to the GPU's trace (reserved
+   and segment peaks, exactly), and the simulated rank's reserved prediction beside it.
 
 Prints a Markdown block (docs/cluster_path.md's `make gpu-check` section takes it as is), then
 a line naming the row groups that ran and those skipped, and why; exit code 1 if any check
@@ -39,6 +42,7 @@ import time
 import torch
 
 from experiments import bench_engine
+from experiments.gpu_check import memory_rows as memory
 from experiments.gpu_check import prediction_rows as prediction
 from experiments.gpu_check import zero_r_rows as zero_r
 from experiments.gpu_check.common import BUDGET_S, FORCE, SKIPPED, attempt, error_line, make_point, safe_row
@@ -134,6 +138,23 @@ def main() -> int:
     rows.append(safe_row("MD fragmentation", zero_r.md_row, outcomes, label))
     rows.append(safe_row("Pa+cpu prefetch and cost", zero_r.overlap_row, outcomes, label))
     ran.append("ZeRO-R 3")
+
+    if torch.cuda.is_available():  # the allocator's own trace exists only on CUDA
+        runs = memory.memory_runs(STAGE_MODEL, big_model, BIG_MICRO_BATCH, precision)
+        measured = {}
+        for name, overrides in runs.items():  # a fresh process each: its allocator starts empty
+            try:
+                [one] = spawn(memory.memory_rank, 1, {name: make_point(*overrides).as_dict()}, precision,
+                              start_method="spawn", timeout=left(60))
+                measured.update(one)
+            except RankFailed as e:
+                measured[name] = {"ok": False, "error": str(e)}
+        rows.append(safe_row("allocator replay = GPU trace", memory.replay_row, measured))
+        rows.append(safe_row("fake-trace reserved prediction", memory.prediction_row, measured,
+                             memory.predictions(runs, left(120) / len(runs))))
+        ran.append("allocator 2")
+    else:
+        ran.append("allocator 0 (needs CUDA's own trace)")
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:
