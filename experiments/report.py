@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.reports import figures, gemm_check, prediction_check, scorecard, tables, zero_r
+from experiments.reports import figures, gemm_check, prediction_check, scorecard, tables, validation, zero_r
 from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
 from experiments.points import ConfigError
@@ -40,7 +40,12 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
              "measured_steps": tables.measured_steps(),
              "simulation": tables.simulation_table(records),
              "largest": tables.largest_table(records), "gemm_check": gemm_check.gemm_check_table(),
-             "gemm_check_summary": gemm_check.gemm_check_summary(), "gemm_ceiling": gemm_check.gemm_ceiling_table()}
+             "gemm_check_summary": gemm_check.gemm_check_summary(), "gemm_ceiling": gemm_check.gemm_ceiling_table(),
+             # the step-time model against measured A100 steps (reports/validation.py)
+             "validation": validation.validation_table(), "validation_summary": validation.validation_summary(),
+             "validation_out_of_scope": validation.out_of_scope_table(),
+             "validation_host_constants": validation.host_constants_table(),
+             "validation_layer_slopes": validation.layer_slopes_table(), "nccl_check": validation.nccl_check()}
     if zero_r.fig7_records(records):  # Figure 7's tables where its points were simulated
         built.update(fig7_memory=zero_r.fig7_table(records), fig7_statements=zero_r.fig7_statements(records))
     built["scorecard"] = scorecard.scorecard(records)  # the README's, from the tables above

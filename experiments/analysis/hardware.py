@@ -127,9 +127,11 @@ SOURCES = {
                             "sparsity)",
     "dgx_a100.sms": "108: NVIDIA A100 Tensor Core GPU Architecture whitepaper (GA100 with 108 of 128 SMs enabled; the "
                     "number NVIDIA's 'Matrix Multiplication Background User's Guide' uses for wave quantization)",
-    "dgx_a100.gemm_ceiling": "0.8 [unverified]: cuBLAS 11's large fp16 GEMMs on an A100 SXM reach about 250 of 312 "
-                             "TFLOPs (NVIDIA 'Matrix Multiplication Background User's Guide', A100 figures); the "
-                             "development set's large-work rows check it (docs/performance_checks.md)",
+    "dgx_a100.gemm_ceiling": "0.902 [derived]: the Maximum Achievable Matmul FLOPS measured on an A100 SXM, 271.2 of "
+                             "312 TFLOPs at its best shape 1024 x 10240 x 5120 (bf16, torch 2.6 + CUDA 12.6; "
+                             "stas00/ml-engineering, compute/accelerator/README.md), over gemm.py's tile, wave and "
+                             "pipeline losses at that shape (0.964); a newer cuBLAS than the development set's CUDA "
+                             "11.8, and a best-of-shapes figure, so an upper reading",
     "dgx_a100.hbm_gb_per_s": "2039: NVIDIA A100 80 GB SXM datasheet (HBM2e, 2,039 GB/s)",
     "dgx_a100.hbm_fraction": "0.9 [unverified]: a streaming kernel's fraction of the HBM peak on A100, as STREAM-like "
                              "GPU benchmarks (BabelStream) report it (about 1.4 of 1.555 TB/s on the 40 GB part)",

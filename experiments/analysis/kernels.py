@@ -48,6 +48,9 @@ class Kernel:
     gemm: tuple[int, int, int] | None = None
     count: int = 1
     scalar_half_loads: bool = False   # a torch kernel loading fp16 one element per access (module docstring)
+    # > 0: not a kernel but where the layer calls a TP all-reduce of this many bytes (count 0:
+    # no launch, no bytes of its own; step_time.host_windows prices it in issue order)
+    all_reduce_bytes: float = 0.0
 
     def times(self, hw: Hardware, scalar_half_load_fraction: float = 1.0) -> tuple[float, float]:
         """(device seconds, floor seconds): max(FLOP time, byte time), count x the floor; a
@@ -224,6 +227,41 @@ def head_backward(x: LayerShape) -> list[Kernel]:
 # gradients added; and per parameter Megatron's LocalDDP hook main_grad.add_(grad) (12 a layer,
 # megatron/model/distributed.py: its contiguous gradient buffer) [assumption: Megatron's own DDP,
 # not DeepSpeed's engine].
+def tp_all_reduce(name: str, x: LayerShape, nbytes: float) -> list[Kernel]:
+    """Where the layer calls Megatron's TP all-reduce (none at TP 1)."""
+    return [Kernel(name, count=0, all_reduce_bytes=float(nbytes))] if x.tp > 1 else []
+
+
+def fused_softmax_runs(x: LayerShape) -> bool:
+    """Whether FusedScaleMaskSoftmax takes apex's fused kernel (fused_softmax.py @ f01c9e6e:
+    16 < sk <= 2048, sq % 4 == 0 and b·(a/t) % 4 == 0); else it falls back to torch: up-cast to
+    fp32, the query-key layer scaling's multiply, masked_fill_, softmax, down-cast (TP 8 with 16
+    heads at micro-batch 1: b·a/t = 2)."""
+    return 16 < x.seq_len <= 2048 and x.seq_len % 4 == 0 and (x.micro_batch * x.heads // x.tp) % 4 == 0
+
+
+def _softmax_forward(x: LayerShape) -> list[Kernel]:
+    S, e = x.scores, x.element_bytes
+    if fused_softmax_runs(x):
+        return [elementwise("scale, causal mask, softmax (apex, fused)", S, 1, 1, e)]
+    return [elementwise("softmax fallback: up-cast to fp32", S, 0, 0, e, extra_bytes=S * (e + 4)),
+            elementwise("softmax fallback: layer scaling multiply (fp32)", S, 0, 0, e, extra_bytes=S * 8),
+            elementwise("softmax fallback: masked_fill_ (fp32)", S, 0, 0, e, extra_bytes=S * (8 + MASK_BYTES)),
+            elementwise("softmax fallback: softmax (fp32)", S, 0, 0, e, extra_bytes=S * 8),
+            elementwise("softmax fallback: down-cast", S, 0, 0, e, extra_bytes=S * (4 + e))]
+
+
+def _softmax_backward(x: LayerShape) -> list[Kernel]:
+    S, e = x.scores, x.element_bytes
+    if fused_softmax_runs(x):
+        return [elementwise("softmax bwd (apex, fused)", S, 2, 1, e)]
+    return [elementwise("softmax fallback bwd: up-cast", S, 0, 0, e, extra_bytes=S * (e + 4)),
+            elementwise("softmax fallback bwd: softmax (fp32)", S, 0, 0, e, extra_bytes=S * 12),
+            elementwise("softmax fallback bwd: masked_fill (fp32)", S, 0, 0, e, extra_bytes=S * (8 + MASK_BYTES)),
+            elementwise("softmax fallback bwd: layer scaling multiply (fp32)", S, 0, 0, e, extra_bytes=S * 8),
+            elementwise("softmax fallback bwd: down-cast", S, 0, 0, e, extra_bytes=S * (4 + e))]
+
+
 def layer_forward_fused(x: LayerShape) -> list[Kernel]:
     """One layer's forward (and its recomputation) as Megatron-DeepSpeed 2023 issues it."""
     T, h, t, e, s = x.tokens, x.hidden, x.tp, x.element_bytes, x.seq_len
@@ -233,17 +271,19 @@ def layer_forward_fused(x: LayerShape) -> list[Kernel]:
         elementwise("layernorm 1 (apex)", rep, 1, 1, e, torch_kernel=False),
         gemm("QKV (bias in the epilogue)", T, 3 * h // t, h, e),
         gemm("scores (baddbmm, scaled)", s, s, d, e, batch),
-        elementwise("scale, causal mask, softmax (apex, fused)", S, 1, 1, e),
+        *_softmax_forward(x),
         elementwise("attention dropout", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
         gemm("context (bmm)", s, d, s, e, batch),
         elementwise("context permute copy", part, 1, 1, e),
         gemm("projection", T, h, h // t, e),
+        *tp_all_reduce("TP all-reduce: projection output", x, rep * e),
         elementwise("bias, dropout, residual (jit, fused)", rep, 2, 1, e, extra_bytes=rep * MASK_BYTES),
         elementwise("layernorm 2 (apex)", rep, 1, 1, e, torch_kernel=False),
         Kernel("moe_loss, mlp_bias: torch.tensor on the device (H2D copy, stream sync)", bytes=4 * e, count=2),
         gemm("MLP up", T, 4 * h // t, h, e),
         elementwise("bias, GeLU (jit, fused)", ffn, 1, 1, e),
         gemm("MLP down", T, h, 4 * h // t, e),
+        *tp_all_reduce("TP all-reduce: MLP output", x, rep * e),
         elementwise("bias, dropout, residual (jit, fused)", rep, 2, 1, e, extra_bytes=rep * MASK_BYTES),
     ]
 
@@ -266,6 +306,7 @@ def layer_backward_fused(x: LayerShape) -> list[Kernel]:
         elementwise("bias, GeLU bwd (jit)", ffn, 2, 1, e),
         elementwise("MLP up bias grad (sum)", ffn, 1, 0, e),
         *_gemm_pair("MLP up", T, 4 * h // t, h, e),
+        *tp_all_reduce("TP all-reduce: MLP input grad", x, rep * e),
         elementwise("layernorm 2 bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
         elementwise("residual grad add", rep, 2, 1, e),
         elementwise("bias, dropout, residual bwd (masked grad)", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
@@ -275,13 +316,14 @@ def layer_backward_fused(x: LayerShape) -> list[Kernel]:
         gemm("context dP", s, s, d, e, batch),
         gemm("context dV", s, d, s, e, batch),
         elementwise("attention dropout bwd", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
-        elementwise("softmax bwd (apex, fused)", S, 2, 1, e),
+        *_softmax_backward(x),
         gemm("scores dQ", s, d, s, e, batch),
         gemm("scores dK", s, d, s, e, batch),
         elementwise("baddbmm's alpha on dQ, dK", 2 * part, 1, 1, e, count=2),
         elementwise("QKV split grad (cat)", 3 * part, 1, 1, e),
         elementwise("QKV bias grad (sum)", 3 * part, 1, 0, e),
         *_gemm_pair("QKV", T, 3 * h // t, h, e),
+        *tp_all_reduce("TP all-reduce: QKV input grad", x, rep * e),
         elementwise("layernorm 1 bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
         elementwise("residual grad add", rep, 2, 1, e),
         elementwise("LocalDDP hooks: main_grad.add_(grad)", layer_params, 2, 1, e, count=LOCAL_DDP_HOOKS_PER_LAYER),
@@ -301,6 +343,7 @@ def head_forward_fused(x: LayerShape) -> list[Kernel]:
     return [
         Kernel("get_batch: H2D copies, slices, causal mask, position ids", bytes=float(s * s + 4 * T * 8), count=12),
         elementwise("word embedding gather", rep, 0, 1, e, extra_bytes=T * 8.0, count=1 + tp_masking),
+        *tp_all_reduce("TP all-reduce: embedding output", x, rep * e),
         elementwise("position embedding gather", rep, 0, 1, e),
         elementwise("embedding add", rep, 2, 1, e),
         elementwise("embedding dropout", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
@@ -309,6 +352,7 @@ def head_forward_fused(x: LayerShape) -> list[Kernel]:
         gemm("logits", T, x.vocab // t, h, e),
         # up-cast (e in, 4 out), max (4), subtract in place (8), exp (8), sum (4), divide (8)
         elementwise("cross entropy (fp32)", logits, 0, 0, e, extra_bytes=logits * (e + 32), count=17, torch_kernel=False),
+        *[k for name in ("max", "target logit", "sum of exp") for k in tp_all_reduce(f"TP all-reduce: cross entropy {name}", x, T * 4)],
         Kernel("loss mask, sum, mean; loss averaged over DP (cat, divide)", bytes=T * 12.0, count=7),
     ]
 
@@ -321,6 +365,7 @@ def head_backward_fused(x: LayerShape) -> list[Kernel]:
         # softmax minus the one-hot (in place, 8), times the loss gradient (8), down-cast (4 in, e out)
         elementwise("cross entropy bwd (fp32)", logits, 0, 0, e, extra_bytes=logits * (8 + 8 + 4 + e), count=5, torch_kernel=False),
         *_gemm_pair("logits", T, x.vocab // t, h, e),
+        *tp_all_reduce("TP all-reduce: logits input grad", x, rep * e),
         elementwise("final layernorm bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
         elementwise("transpose bwd", rep, 1, 1, e),
         elementwise("embedding dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),

@@ -183,38 +183,45 @@ def tp_comm_s(x: StepInputs, hw: Hardware) -> float:
     return x.layers * TP_ALLREDUCES_PER_LAYER[x.recompute] * tp_allreduce_s(x, hw) + tp_head_s(x, hw)
 
 
+def window_s(launches: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(wall, host, device) seconds of one window between host syncs: launches in issue order,
+    each (host seconds to issue it, device seconds to run it). The host issues launch i when its
+    cost has elapsed; the GPU starts it at max(that moment, the end of launch i - 1); the window
+    ends when both are done (the sync)."""
+    host = device_end = device = 0.0
+    for host_cost, run in launches:
+        host += host_cost
+        device_end = max(host, device_end) + run
+        device += run
+    return max(host, device_end), host, device
+
+
 def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float]:
-    """One micro-batch under a system's host model (module docstring): per window the host's
-    seconds (kernels x host_s_per_kernel + collective calls x host_s_per_collective) and the
-    device's (its kernels and the TP all-reduces); returns the summed host, device and
-    max(host, device) seconds, and `exposed`, the host time the GPU waits for."""
+    """One micro-batch under a system's host model (module docstring): each window's launches
+    (every kernel at host_s_per_kernel, every TP all-reduce call at host_s_per_collective and its
+    NCCL time) through window_s; returns the host, device and wall seconds, and `exposed_s`,
+    wall - device: the time the GPU waits for the host."""
     forward, backward, head_fwd, head_bwd = LAYERS[system.layer]
     shape, fraction = x.shape(), half_load_fraction(x, system)
+    group = tp_group(x, hw)
 
-    def window(kernels: list, collectives: int, comm_s: float) -> tuple[float, float]:
-        t = compute_time([(k, 1) for k in kernels], hw, fraction)
-        launches = sum(k.count for k in kernels)
-        return (launches * system.host_s_per_kernel + collectives * system.host_s_per_collective,
-                t.gemm_s + t.memory_bound_s + comm_s)
-    tp = x.tp > 1
-    ar = tp_allreduce_s(x, hw)
-    fwd, bwd = forward(shape), backward(shape)
-    per_layer_ar = 2 if tp else 0
-    f = window(fwd, per_layer_ar, per_layer_ar * ar)
-    b = window(bwd, per_layer_ar, per_layer_ar * ar)
-    heads = [window(head_fwd(shape), 4 if tp else 0, tp_head_s(x, hw) - (ar if tp else 0)),
-             window(head_bwd(shape), 1 if tp else 0, ar)]
+    def launches(kernels: list) -> list[tuple[float, float]]:
+        out = []
+        for k in kernels:
+            if k.all_reduce_bytes:
+                out.append((system.host_s_per_collective, _collective(hw, "all_reduce", k.all_reduce_bytes, group)))
+            elif k.count:
+                device, _ = k.times(hw, fraction)
+                out += [(system.host_s_per_kernel, device / k.count)] * k.count
+        return out
+    fwd, bwd = launches(forward(shape)), launches(backward(shape))
     # the forward's syncs (kernels.FUSED_LAYER_FORWARD_SYNCS) close a window per layer; with
     # recomputation each layer's recomputed forward syncs too, so it and the backward issued after
     # it share a window; without, the backward has no sync: one window
-    if x.recompute:
-        windows = [(f, x.layers), ((f[0] + b[0], f[1] + b[1]), x.layers)]
-    else:
-        windows = [(f, x.layers), ((b[0] * x.layers, b[1] * x.layers), 1)]
-    windows += [(w, 1) for w in heads]
-    host = sum(h * n for (h, _), n in windows)
-    device = sum(d * n for (_, d), n in windows)
-    wall = sum(max(h, d) * n for (h, d), n in windows)
+    windows = [(window_s(fwd), x.layers)]
+    windows += [(window_s(fwd + bwd), x.layers)] if x.recompute else [(window_s(bwd * x.layers), 1)]
+    windows += [(window_s(launches(head_fwd(shape))), 1), (window_s(launches(head_bwd(shape))), 1)]
+    wall, host, device = (sum(w[i] * n for w, n in windows) for i in range(3))
     return {"host_s": host, "device_s": device, "wall_s": wall, "exposed_s": wall - device}
 
 

@@ -16,7 +16,7 @@ import re
 
 import pandas as pd
 
-from experiments.reports import gemm_check, predictions, tables, zero_r
+from experiments.reports import gemm_check, predictions, tables, validation, zero_r
 
 # How ours was obtained, by the claims table's kind.
 HOW = {"formula": "formula", "measured (CPU)": "measured on CPU", "simulated": "simulated at full world size",
@@ -130,4 +130,13 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
                  f"within 25%: {int(large['within 25%'])} of {int(large['count'])} large (in-sample: the ceiling's), "
                  f"{int(small['within 25%'])} of {int(small['count'])} small or skinny", HOW["predicted"],
                  "gemm_check_summary.md, gemm_ceiling.md"))
+    summary = validation.validation_summary().set_index("group")
+    overall, by_tp = summary.loc[["all"]].iloc[0], summary.loc["TP"]
+    ranking = summary.loc["fastest TP right"]
+    rows.append(("Step time check: 720 Megatron-DeepSpeed steps on one A100 node (vTrain's, PP 1)",
+                 "not the paper's: measured iteration times",
+                 f"error (predicted / measured - 1, absolute) median {overall.median_error:.3f}, p90 "
+                 f"{overall.p90_error:.3f}, worst factor "
+                 f"{overall.worst_factor:.2f}; median ratio by TP " + " / ".join(f"{r:.2f}" for r in by_tp.median_ratio)
+                 + f"; fastest TP right in {ranking.value}", HOW["predicted"], "validation_summary.md, validation.md"))
     return pd.DataFrame(rows, columns=list(COLUMNS))

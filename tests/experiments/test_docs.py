@@ -63,14 +63,18 @@ def test_reference_scorecard_is_what_the_reference_records_give(reference_record
 
 
 @pytest.mark.parametrize("name", ["targets", "sensitivity", "measured_steps", "gemm_check", "gemm_check_summary",
-                                  "gemm_ceiling"])
+                                  "gemm_ceiling", "validation", "validation_summary", "validation_host_constants",
+                                  "validation_layer_slopes", "nccl_check"])
 def test_reference_model_tables_are_what_the_code_gives(name):
     """The step-time model's tables need no records: the committed ones (which docs paste) must be
     what the code writes now, or a change to the model leaves the docs quoting old numbers."""
-    from experiments.reports import gemm_check, tables
+    from experiments.reports import gemm_check, tables, validation
     table = {"targets": tables.targets, "sensitivity": tables.sensitivity, "measured_steps": tables.measured_steps,
              "gemm_check": gemm_check.gemm_check_table, "gemm_check_summary": gemm_check.gemm_check_summary,
-             "gemm_ceiling": gemm_check.gemm_ceiling_table}[name]()
+             "gemm_ceiling": gemm_check.gemm_ceiling_table, "validation": validation.validation_table,
+             "validation_summary": validation.validation_summary,
+             "validation_host_constants": validation.host_constants_table,
+             "validation_layer_slopes": validation.layer_slopes_table, "nccl_check": validation.nccl_check}[name]()
     assert (REFERENCE / "reports" / f"{name}.md").read_text() == to_markdown(table), "run report.py into results/reference/reports"
 
 

@@ -1,0 +1,226 @@
+"""The step-time model against measured A100 training steps: the development set
+(results/external/vtrain_a100_single_node.csv, vTrain's 1,440 Megatron-DeepSpeed iterations on one
+node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
+
+- `validation_table`: every row with pipeline parallelism 1 beside its prediction (the ratio
+  predicted / measured and the breakdown's terms); the rows with pipeline parallelism > 1 are
+  listed as out of scope (the model does not pipeline).
+- `validation_summary`: median, 90th percentile and worst |predicted / measured - 1| overall and by
+  TP degree, micro-batch and hidden size, with the median ratio; and the TP ranking check: among
+  the families of rows that differ only in their TP degree (and so their DP degree), how often the
+  degree the model ranks fastest is the measured fastest.
+- `host_constants`: the two host costs of megatron_ds2023 measured on the development set, each
+  one physical quantity (systems.MEGATRON_DS2023_HOST_S_PER_*; a test keeps them equal):
+  - per kernel: the rows at TP 1, micro-batch 1, hidden 1024 (the smallest work per kernel: the
+    host issues while the GPU idles) give the step's slope over the layer count per micro-batch
+    (a least-squares line through (layers, ms / micro-batches) for each DP degree and global
+    batch); over the kernels one layer issues (forward, recomputed forward, backward:
+    kernels.layer_*_fused) that is the host's seconds per kernel;
+  - per collective call: the same slope at TP 2, micro-batch 1, hidden 1024, minus the same
+    layer's kernels at the per-kernel cost, over the layer's 6 TP all-reduce calls.
+  Both are checked against published PyTorch per-op overheads in docs/performance_checks.md.
+- `nccl_check`: NCCL 2.14.3's tuning model (nccl.py) beside vTrain's nccl-tests all-reduce times on
+  its A100 node (results/external/vtrain_a100_allreduce.csv).
+"""
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from dataclasses import replace
+from functools import cache
+from statistics import median
+
+import pandas as pd
+
+from experiments.analysis import kernels as kn
+from experiments.analysis import step_time as st
+from experiments.analysis.hardware import profile
+from experiments.analysis.nccl import Nccl
+from experiments.records import REPO
+
+DEV_SET_CSV = REPO / "results" / "external" / "vtrain_a100_single_node.csv"
+ALLREDUCE_CSV = REPO / "results" / "external" / "vtrain_a100_allreduce.csv"
+SYSTEM, CLUSTER = "megatron_ds2023", "dgx_a100"
+VOCAB = 50257          # vTrain's configs' default vocabulary (GPT-2's), padded by Megatron to 128 x TP
+COLUMNS = ("gpus", "global_batch", "micro_batch", "hidden", "heads", "layers", "seq_len", "tp", "dp", "pp", "ms")
+TP_ALLREDUCE_CALLS_PER_LAYER = 6   # forward, recomputed forward, backward: 2 each
+
+
+@cache
+def dev_rows() -> tuple[dict, ...]:
+    """The development set's rows, typed (the file's first byte is a UTF-8 byte-order mark)."""
+    with open(DEV_SET_CSV, encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        next(reader)
+        return tuple({**{c: int(v) for c, v in zip(COLUMNS[:-1], r[:-1])}, "ms": float(r[-1])} for r in reader)
+
+
+def in_scope(row: dict) -> bool:
+    return row["pp"] == 1
+
+
+def inputs(row: dict) -> st.StepInputs:
+    """A row as the model's input: Megatron's padded vocabulary and parameters per TP rank, fp16,
+    full recomputation, the global batch accumulated over micro-batches of the DP degree."""
+    model = {"layers": row["layers"], "hidden": row["hidden"], "heads": row["heads"], "seq_len": row["seq_len"],
+             "vocab_size": VOCAB}
+    grad_accum = row["global_batch"] // (row["micro_batch"] * row["dp"])
+    return st.StepInputs(**st.shape_inputs(model, row["tp"]), micro_batch=row["micro_batch"], tp=row["tp"],
+                         dp=row["dp"], stage=0, recompute=True, grad_accum=grad_accum, element_bytes=2)
+
+
+@cache
+def a100():
+    return profile(CLUSTER)
+
+
+def predict_row(row: dict, system=SYSTEM) -> st.StepTime:
+    return st.predict(inputs(row), a100(), system)
+
+
+@cache
+def validation_table(system=SYSTEM) -> pd.DataFrame:
+    """Every in-scope row beside its prediction (ms), the ratio and the terms (ms)."""
+    out = []
+    for r in dev_rows():
+        if not in_scope(r):
+            continue
+        pred = predict_row(r, system)
+        out.append({**{c: r[c] for c in COLUMNS[:-1] if c != "pp"},
+                    "grad_accum": r["global_batch"] // (r["micro_batch"] * r["dp"]), "measured_ms": r["ms"],
+                    "predicted_ms": pred.step_s * 1e3, "ratio": pred.step_s * 1e3 / r["ms"],
+                    **{f"{t}_ms": v * 1e3 for t, v in pred.terms.items()}})
+    return pd.DataFrame(out)
+
+
+def out_of_scope_table() -> pd.DataFrame:
+    """The rows with pipeline parallelism > 1: measured, not predicted (the model does not pipeline)."""
+    return pd.DataFrame([{**{c: r[c] for c in COLUMNS[:-1]}, "measured_ms": r["ms"],
+                          "why": "pipeline parallelism > 1: not modelled"} for r in dev_rows() if not in_scope(r)])
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile, linear between order statistics (numpy's default)."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+def error_stats(ratios: list[float]) -> dict:
+    errors = [abs(r - 1) for r in ratios]
+    return {"rows": len(ratios), "median_ratio": median(ratios), "median_error": median(errors),
+            "p90_error": _quantile(errors, 0.9), "worst_error": max(errors),
+            "worst_factor": max(max(r, 1 / r) for r in ratios)}
+
+
+def tp_ranking(table: pd.DataFrame) -> dict:
+    """Families of rows alike but for TP (and DP = GPUs / TP): how often the model's fastest TP
+    is the measured fastest."""
+    families = defaultdict(list)
+    for r in table.itertuples(index=False):
+        families[(r.gpus, r.global_batch, r.micro_batch, r.hidden, r.layers)].append(r)
+    ranked = [f for f in families.values() if len(f) > 1]
+    right = sum(min(f, key=lambda r: r.predicted_ms).tp == min(f, key=lambda r: r.measured_ms).tp for f in ranked)
+    return {"families": len(ranked), "fastest_tp_right": right, "fraction": right / len(ranked) if ranked else float("nan")}
+
+
+def validation_summary(table: pd.DataFrame | None = None) -> pd.DataFrame:
+    """|predicted / measured - 1| overall and by TP, micro-batch and hidden size; the TP ranking."""
+    table = validation_table() if table is None else table
+    rows = [{"group": "all", "value": "", **error_stats(list(table["ratio"]))}]
+    for column, label in (("tp", "TP"), ("micro_batch", "micro-batch"), ("hidden", "hidden")):
+        for value, part in table.groupby(column):
+            rows.append({"group": label, "value": str(value), **error_stats(list(part["ratio"]))})
+    ranking = tp_ranking(table)
+    rows.append({"group": "fastest TP right", "value": f"{ranking['fastest_tp_right']} of {ranking['families']} families",
+                 "rows": ranking["families"], "median_ratio": float("nan"), "median_error": float("nan"),
+                 "p90_error": float("nan"), "worst_error": float("nan"), "worst_factor": float("nan"),
+                 "fraction": ranking["fraction"]})
+    return pd.DataFrame(rows)
+
+
+def regime_errors(table: pd.DataFrame | None = None) -> dict[tuple[int, int], dict]:
+    """The 90th-percentile and median error by (TP degree, micro-batch), the planner's expected error."""
+    table = validation_table() if table is None else table
+    return {(int(tp), int(mb)): error_stats(list(part["ratio"])) for (tp, mb), part in table.groupby(["tp", "micro_batch"])}
+
+
+# -- the host's costs, measured on the development set ------------------------------------------
+def _layer_slope_s(tp: int, micro_batch: int = 1, hidden: int = 1024, ms=lambda r: r["ms"]) -> float:
+    """Seconds one more layer adds to a micro-batch at TP `tp` (micro-batch 1, hidden 1024 unless
+    given): the median over (DP, global batch) of the least-squares slope of ms / micro-batches
+    over layers; `ms`: a row's measured time, or another (the prediction)."""
+    lines = defaultdict(list)
+    for r in dev_rows():
+        if in_scope(r) and r["tp"] == tp and r["micro_batch"] == micro_batch and r["hidden"] == hidden:
+            lines[(r["dp"], r["global_batch"])].append((r["layers"], ms(r) / (r["global_batch"] // (micro_batch * r["dp"]))))
+    slopes = []
+    for points in lines.values():
+        if len({l for l, _ in points}) < 2:
+            continue
+        mx, my = sum(l for l, _ in points) / len(points), sum(t for _, t in points) / len(points)
+        slopes.append(sum((l - mx) * (t - my) for l, t in points) / sum((l - mx) ** 2 for l, _ in points))
+    return median(slopes) * 1e-3
+
+
+def kernels_per_layer(tp: int) -> int:
+    """Kernels Megatron-DeepSpeed 2023's layer issues per micro-batch: forward, recomputed forward, backward."""
+    x = kn.LayerShape(1, 1024, 1024, 16, tp, 50304, 2)
+    return 2 * sum(k.count for k in kn.layer_forward_fused(x)) + sum(k.count for k in kn.layer_backward_fused(x))
+
+
+def host_constants() -> dict[str, float]:
+    """The host's seconds per kernel and per collective call (module docstring), in us to 1 decimal."""
+    per_kernel = _layer_slope_s(1) / kernels_per_layer(1)
+    per_collective = (_layer_slope_s(2) - kernels_per_layer(2) * per_kernel) / TP_ALLREDUCE_CALLS_PER_LAYER
+    return {"host_us_per_kernel": round(per_kernel * 1e6, 1), "host_us_per_collective": round(per_collective * 1e6, 1),
+            "layer_slope_ms_tp1": _layer_slope_s(1) * 1e3, "layer_slope_ms_tp2": _layer_slope_s(2) * 1e3,
+            "kernels_per_layer": kernels_per_layer(1)}
+
+
+def host_constants_table() -> pd.DataFrame:
+    c = host_constants()
+    return pd.DataFrame([
+        {"constant": "host seconds per kernel (us)", "value": c["host_us_per_kernel"],
+         "measured as": f"TP 1, micro-batch 1, hidden 1024: {c['layer_slope_ms_tp1']:.3f} ms a layer a micro-batch "
+                        f"over {c['kernels_per_layer']} kernels a layer"},
+        {"constant": "host seconds per collective call (us)", "value": c["host_us_per_collective"],
+         "measured as": f"TP 2, micro-batch 1, hidden 1024: {c['layer_slope_ms_tp2']:.3f} ms a layer, less its "
+                        f"kernels at the per-kernel cost, over {TP_ALLREDUCE_CALLS_PER_LAYER} all-reduce calls"}])
+
+
+def layer_slopes_table() -> pd.DataFrame:
+    """What one more layer adds to a micro-batch, measured and predicted, by TP and micro-batch at
+    hidden 1024: where the host sets the pace, and where TP 8 departs from it."""
+    out = []
+    for tp in (1, 2, 4, 8):
+        for mb in (1, 2, 4, 8):
+            if not any(in_scope(r) and r["tp"] == tp and r["micro_batch"] == mb and r["hidden"] == 1024 for r in dev_rows()):
+                continue
+            measured = _layer_slope_s(tp, mb)
+            predicted = _layer_slope_s(tp, mb, ms=lambda r: predict_row(r).step_s * 1e3)
+            out.append({"tp": tp, "micro_batch": mb, "measured_ms_per_layer": measured * 1e3,
+                        "predicted_ms_per_layer": predicted * 1e3, "ratio": predicted / measured})
+    return pd.DataFrame(out)
+
+
+# -- NCCL's tuning model against nccl-tests on the same node -----------------------------------------
+@cache
+def allreduce_rows() -> tuple[dict, ...]:
+    with open(ALLREDUCE_CSV) as f:
+        return tuple({"gpus": int(r["gpus"]), "bytes": int(r["size_bytes"]), "us": float(r["time_ns"]) / 1e3,
+                      "busbw": float(r["busbw_gb_per_s"])} for r in csv.DictReader(f))
+
+
+def nccl_check() -> pd.DataFrame:
+    """vTrain's measured out-of-place all-reduce (nccl-tests, fp32) beside NCCL 2.14.3's model."""
+    model = profile(CLUSTER).collectives
+    assert isinstance(model, Nccl)
+    model = replace(model, version="2.14.3")
+    out = []
+    for r in allreduce_rows():
+        algo, proto, seconds = model.choice("all_reduce", r["bytes"], r["gpus"], r["gpus"])
+        out.append({"gpus": r["gpus"], "MiB": r["bytes"] / 2 ** 20, "measured_us": r["us"], "model_us": seconds * 1e6,
+                    "model_over_measured": seconds * 1e6 / r["us"], "nccl_choice": f"{algo}/{proto}"})
+    return pd.DataFrame(out)

@@ -1,0 +1,115 @@
+"""The mechanisms the A100 development set needs, each worked by hand (the host model's windows,
+NCCL 2.14.3's tuner on an A100 node, the GEMM pipeline's short-k loss, Megatron's softmax
+fallback), the host costs equal to their measurement, and the validation's verdicts."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from experiments.analysis import kernels as kn
+from experiments.analysis import step_time as st
+from experiments.analysis import systems
+from experiments.analysis.gemm import TILES_SM80, TileWaveGemm
+from experiments.analysis.hardware import profile
+from experiments.reports import validation
+
+
+def test_a_window_runs_each_launch_when_both_host_and_gpu_are_ready():
+    # device-bound: the 5 s kernel issued at 1 s ends at 6; the next two queue behind it: 7, 8
+    assert st.window_s([(1.0, 5.0), (1.0, 1.0), (1.0, 1.0)]) == (8.0, 3.0, 7.0)
+    # host-bound: each kernel starts when issued (5, 10), the window ends with the last: 11
+    assert st.window_s([(5.0, 1.0), (5.0, 1.0)]) == (11.0, 10.0, 2.0)
+    assert st.window_s([]) == (0.0, 0.0, 0.0)
+
+
+def test_nccl_2_14_on_an_a100_node_worked_by_hand():
+    nccl = replace(profile("dgx_a100").collectives, version="2.14.3")
+    assert (nccl.nvlink_links, nccl.nvlink_gb_per_s, nccl.compute_capability) == (12, 22, 80)
+    mib = 2 ** 20
+    # 1 MiB over 8 GPUs, ring LL: 3.6 + 14 x 0.47 us; busBw min(llMaxBw 87.7, 235 (the Ampere cap) / 4), x 8/14
+    ll = 3.6 + 14 * 0.47 + mib / (1000 * min(87.7, 235 / 4) * 8 / 14)
+    # tree LL128 on one node: 4.4 + 2·7 x 1.25 us; min(235 x .92, 12 x 24) x 7/9, x 0.5, x the correction .6
+    tree = 4.4 + 2 * 7 * 1.25 + mib / (1000 * 235 * .92 * 7 / 9 * .5 * .6)
+    options = nccl.candidates("all_reduce", mib, 8, 8)
+    assert options[("ring", "LL")] == pytest.approx(ll) and options[("tree", "LL128")] == pytest.approx(tree)
+    assert nccl.choice("all_reduce", mib, 8, 8)[:2] == ("ring", "LL") and ll == pytest.approx(41.4, abs=0.1)
+    # 4 MiB: ring LL128, 10 + 14 x 1.9 us at min(235 x .92, 20 x 12 channels) x 8/14
+    assert nccl.time_s("all_reduce", 4 * mib, 8, 8) == pytest.approx((36.6 + 4 * mib / (1000 * 235 * .92 * 8 / 14)) * 1e-6)
+    # 1 GiB: Simple at the 235 GB/s cap, 8.4 + 14 x 3.4 us
+    assert nccl.time_s("all_reduce", 2 ** 30, 8, 8) == pytest.approx((56.0 + 2 ** 30 / (1000 * 235 * 8 / 14)) * 1e-6)
+    # 2.7.8 never puts a tree on one node; 2.14.3 prices it
+    assert ("tree", "LL128") not in replace(nccl, version="2.7.8").candidates("all_reduce", mib, 8, 8)
+
+
+def test_gemm_pipeline_fill_and_drain_on_ampere():
+    gemm = TileWaveGemm(sms=108, ceiling=1.0, tiles=TILES_SM80, k_tile=64, stages=3)
+    assert gemm.pipeline_efficiency(64) == pytest.approx(1 / 3)      # attention's scores at head size 64
+    assert gemm.pipeline_efficiency(128) == pytest.approx(1 / 2)     # TP 8's projection at h 1024
+    assert gemm.pipeline_efficiency(4096) == pytest.approx(64 / 66)
+    # 1024 x 10240 x 5120 (MAMF's best A100 shape): 256 x 128 tiles, 4 x 80 = 320 on 108 SMs: 320/324, x 80/82
+    assert gemm.efficiency(1024, 10240, 5120) == pytest.approx(320 / 324 * 80 / 82)
+    assert profile("dgx_a100").gemm.ceiling == pytest.approx(271.2 / 312 / (320 / 324 * 80 / 82), abs=5e-4)
+    assert TileWaveGemm(sms=80, ceiling=1.0).pipeline_efficiency(64) == 1.0   # the V100 profiles: no such loss
+
+
+def test_megatrons_softmax_falls_back_to_torch_when_b_times_heads_per_rank_is_not_a_multiple_of_4():
+    shape = lambda b, tp: kn.LayerShape(b, 1024, 1024, 16, tp, 50304, 2)   # noqa: E731
+    assert kn.fused_softmax_runs(shape(1, 4)) and kn.fused_softmax_runs(shape(2, 8))
+    assert not kn.fused_softmax_runs(shape(1, 8))                  # 1 x 16/8 = 2 attention batches
+    count = lambda ks: sum(k.count for k in ks)                    # noqa: E731
+    for layer in (kn.layer_forward_fused, kn.layer_backward_fused):
+        assert count(layer(shape(1, 8))) - count(layer(shape(1, 4))) == 4   # 5 torch kernels for apex's one
+    fallback = {k.name: k for k in kn.layer_forward_fused(shape(1, 8))}
+    S = 16 // 8 * 1024 ** 2
+    assert fallback["softmax fallback: up-cast to fp32"].bytes == S * 6       # fp16 in, fp32 out
+
+
+def test_the_layer_issues_what_megatron_deepspeed_2023_launches():
+    x = kn.LayerShape(1, 1024, 1024, 16, 2, 50304, 2)
+    fwd, bwd = kn.layer_forward_fused(x), kn.layer_backward_fused(x)
+    assert sum(k.count for k in fwd) == 16 and sum(k.count for k in bwd) == 45
+    assert [k.name for k in fwd + bwd if k.all_reduce_bytes] == [
+        "TP all-reduce: projection output", "TP all-reduce: MLP output", "TP all-reduce: MLP input grad",
+        "TP all-reduce: QKV input grad"]
+    assert all(k.all_reduce_bytes == 1024 * 1024 * 2 for k in fwd + bwd if k.all_reduce_bytes)
+    assert not any(k.all_reduce_bytes for k in kn.layer_forward_fused(replace(x, tp=1)))
+
+
+def test_the_host_bound_step_is_its_host_time():
+    # TP 1, micro-batch 1, hidden 1024, 12 layers: the host issues 77 kernels a layer while the
+    # GPU waits; kernel_floors is the wait, so the micro-batch is about the host's time
+    x = st.StepInputs(layers=12, hidden=1024, heads=16, seq_len=1024, vocab=50304, micro_batch=1, tp=1, dp=1,
+                      stage=0, psi=1.9e8)
+    hw = st.system_hardware(profile("dgx_a100"), "megatron_ds2023")
+    win = st.host_windows(x, hw, systems.SYSTEMS["megatron_ds2023"])
+    per_layer = 77 * systems.MEGATRON_DS2023_HOST_S_PER_KERNEL
+    assert win["host_s"] == pytest.approx(12 * per_layer + (43 + 27) * systems.MEGATRON_DS2023_HOST_S_PER_KERNEL)
+    assert win["device_s"] < 0.5 * win["host_s"] and win["wall_s"] >= win["host_s"]
+    p = st.predict(x, profile("dgx_a100"), "megatron_ds2023")
+    assert p.terms["kernel_floors"] == pytest.approx(win["exposed_s"])
+    assert p.terms["compute_gemm"] + p.terms["compute_memory_bound"] + p.terms["kernel_floors"] == pytest.approx(win["wall_s"])
+    # the paper's systems keep NCCL 2.7.8 and the additive floor on the same profile
+    assert st.system_hardware(profile("dgx_a100"), "megatron2019").collectives.version == "2.7.8"
+
+
+def test_the_host_costs_are_their_measurement_on_the_development_set():
+    measured = validation.host_constants()
+    assert systems.MEGATRON_DS2023_HOST_S_PER_KERNEL == pytest.approx(measured["host_us_per_kernel"] * 1e-6)
+    assert systems.MEGATRON_DS2023_HOST_S_PER_COLLECTIVE == pytest.approx(measured["host_us_per_collective"] * 1e-6)
+    assert measured["kernels_per_layer"] == 77
+
+
+def test_the_development_set_is_the_copied_file():
+    rows = validation.dev_rows()
+    assert len(rows) == 1440 and sum(validation.in_scope(r) for r in rows) == 720
+    assert rows[0] == {"gpus": 2, "global_batch": 16, "micro_batch": 8, "hidden": 1024, "heads": 16, "layers": 24,
+                       "seq_len": 1024, "tp": 1, "dp": 1, "pp": 2, "ms": 372.160408}
+
+
+def test_the_model_meets_the_development_sets_targets():
+    summary = validation.validation_summary().set_index("group")
+    overall = summary.loc[["all"]].iloc[0]
+    assert overall.median_error <= 0.10 and overall.p90_error <= 0.25 and overall.worst_factor < 2
+    assert summary.loc["TP"].median_ratio.between(0.85, 1.15).all()
+    assert summary.loc["fastest TP right"].fraction >= 0.8
