@@ -47,7 +47,8 @@ the old copied and freed), each on the stream it is allocated on (`stream`: 0, t
 stream, unless a caller sets another); and what a GPU allocates that no fake kernel does:
 cuBLAS's workspace, one per stream on its first GEMM (CublasHandlePool.cpp
 getCurrentCUDABlasHandle -> getCUDABlasWorkspace: `cublas_workspace_bytes`, allocated through
-the caching allocator, never freed). zero_impl allocates every device buffer on the compute
+the caching allocator, never freed; cuBLASLt reuses it, TORCH_CUBLASLT_UNIFIED_WORKSPACE being
+on by default in torch 2.13's CUDA builds: torch/backends/cuda/__init__.py). zero_impl allocates every device buffer on the compute
 stream: its side stream (ZeRO-R Pa+cpu's copies) and NCCL's streams only use blocks allocated
 there. What the log cannot see: when another stream's use of a block ends (record_stream: the
 block returns to the pool after that stream's work, later than the free logged here),
