@@ -49,6 +49,7 @@ class ClusterConfig:
     nvlink_link_gb_per_s: Optional[float] = None  # per link per direction, as NCCL assigns it
     nics_per_node: Optional[int] = None          # inter-node NICs per node (inter_node_gbps is all of them)
     pcie_gb_per_s: Optional[float] = None        # host <-> device per GPU, per direction, achievable
+    compute_capability: Optional[int] = None     # 70 Volta, 80 Ampere, 90 Hopper: NCCL's and the GEMM tiles' generation
     # what one node writes to the checkpoint file system while every node of the job writes
     # (GB/s): an assumption per cluster (conf/cluster/*.yaml says whose); None: not checked
     checkpoint_write_gb_per_s: Optional[float] = None
