@@ -22,7 +22,10 @@
 4. Rows: those that fit first (a simulated verdict over an analytic one), fastest first (tokens
    per second, the whole job's); then
    the rest by peak, so a user sees why. Each row carries the train.py overrides that run it
-   (the same point, point_id and all) and the sbatch line.
+   (the same point, point_id and all) and the sbatch line, and the step-time model's expected
+   error for its (TP, micro-batch) regime, its median miss on measured A100 steps
+   (analysis/expected_error.py); where the next rows are predicted within that error of the
+   best, the plan says the model cannot order them.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import step_time as st
 from experiments.analysis.calibrated import cluster_hardware
+from experiments.analysis.expected_error import expected_error
 from experiments.models.megatron_gpt import parameter_count
 from experiments.analysis.hardware import load_cluster
 from experiments.commands import python_command, train_command
@@ -58,7 +62,8 @@ ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
 CSV_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
                "fits", "peak_gb", "reserved_gb", "fragmentation", "alloc_conf", "peak_source", "limit_gb", "headroom_gb", "states_gb", "activations_gb", "peak_phase",
                "tflops_per_gpu_predicted", "tokens_per_s_predicted",
-               "step_s_predicted", "dominant", "point_id", "overrides", "command", "sbatch")
+               "step_s_predicted", "dominant", "expected_error", "expected_error_regime", "point_id", "overrides",
+               "command", "sbatch")
 
 
 @dataclasses.dataclass
@@ -403,6 +408,7 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
     out = []
     for i, c in enumerate(ranked(candidates), 1):
         p, step, command = c.point, c.step, overrides(c, base_model)
+        error, regime = expected_error(p.tp, p.micro_batch)   # the model's miss on measured steps of this regime
         out.append({"rank": i, "stage": p.stage, "tp": p.tp, "dp": p.dp, "micro_batch": p.micro_batch,
                     "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
                     "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
@@ -418,7 +424,9 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
                     "tflops_per_gpu_predicted": round(step.tflops_per_gpu, 2) if step else None,
                     "tokens_per_s_predicted": round(c.speed) if step else None,
                     "step_s_predicted": round(step.step_s, 3) if step else None,
-                    "dominant": step.dominant() if step else None, "point_id": p.point_id,
+                    "dominant": step.dominant() if step else None,
+                    "expected_error": round(error, 3) if step else None, "expected_error_regime": regime if step else None,
+                    "point_id": p.point_id,
                     "overrides": command,
                     "command": _with_env(train_command(command, p.gpus, p.cluster["gpus_per_node"]), c.alloc_conf),
                     "sbatch": sbatch_line(p, command, c.alloc_conf)})
@@ -427,7 +435,7 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
 
 TABLE_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
                  "fits", "peak_gb", "reserved_gb", "fragmentation", "headroom_gb", "peak_source", "states_gb", "activations_gb",
-                 "tflops_per_gpu_predicted", "tokens_per_s_predicted", "dominant")
+                 "tflops_per_gpu_predicted", "tokens_per_s_predicted", "dominant", "expected_error")
 
 
 def table(plan_rows: list[dict]) -> list[str]:
@@ -436,12 +444,30 @@ def table(plan_rows: list[dict]) -> list[str]:
     return lines + ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in TABLE_COLUMNS) + " |" for r in plan_rows]
 
 
+def within_error(top_rows: list[dict]) -> list[str]:
+    """A sentence when the rows after the best are predicted within the best's expected error of
+    it (expected_error: the model's miss on measured steps of its regime): their order is then
+    the model's guess, to be measured."""
+    if len(top_rows) < 2 or top_rows[0]["tokens_per_s_predicted"] is None or top_rows[0]["expected_error"] is None:
+        return []
+    best, error = top_rows[0]["tokens_per_s_predicted"], top_rows[0]["expected_error"]
+    close = [r["rank"] for r in top_rows[1:]
+             if r["tokens_per_s_predicted"] is not None and r["tokens_per_s_predicted"] >= best * (1 - error)]
+    if not close:
+        return []
+    return ["", f"Rows {', '.join(map(str, close))} are predicted within the best's expected error "
+                f"({error:.0%}, {top_rows[0]['expected_error_regime']}: the model's median miss on measured A100 "
+                f"steps, validation.md) of row {top_rows[0]['rank']}: the model cannot order them; time a few "
+                f"steps of each."]
+
+
 def markdown(plan_rows: list[dict], header: str, top: int) -> str:
     """The best `top` rows that fit, the command of the best, and the `top` nearest that do not."""
     fit = [r for r in plan_rows if r["fits"]]
     misses = [r for r in plan_rows if not r["fits"]]
     out = [header, "", f"**Fits: {len(fit)} configurations; the best {min(top, len(fit))}**", ""]
     out += table(fit[:top]) if fit else ["Nothing fits: see below."]
+    out += within_error(fit[:top])
     if fit:
         best = fit[0]
         out += ["", "Run the best:", "", "```",

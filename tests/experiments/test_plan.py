@@ -240,3 +240,23 @@ def test_gpt_7b_on_a_v100_node_top_row_fits_simulated_and_agrees_with_predict_an
     [record] = [json.loads(p.read_text()) for p in (tmp_path / "t").rglob("simulated/*.json")]
     assert record["point_id"] == top["point_id"]
     assert round(record["memory"]["peak_bytes"] / 1e9, 2) == float(top["peak_gb"])
+
+
+def test_each_row_carries_the_models_expected_error_for_its_regime():
+    from experiments.analysis.expected_error import expected_error, regime_errors
+    rows = plan.rows(_priced("micro_batches=[1,4]", "stages=[0]"), base_model="gpt_1.3b")
+    for r in rows:
+        assert (r["expected_error"], r["expected_error_regime"]) == \
+            (round(expected_error(r["tp"], r["micro_batch"])[0], 3), expected_error(r["tp"], r["micro_batch"])[1])
+    # TP 3 and 6 were never measured: the nearest measured regime, said so
+    assert expected_error(6, 4) == (regime_errors()[(8, 4)], "nearest: TP 8, micro-batch 4")
+    assert expected_error(2, 1)[1] == "TP 2, micro-batch 1"
+
+
+def test_a_plan_says_when_its_top_rows_are_within_the_models_error():
+    row = lambda rank, speed, error: {"rank": rank, "tokens_per_s_predicted": speed, "expected_error": error,  # noqa: E731
+                                      "expected_error_regime": "TP 1, micro-batch 1"}
+    sentence = plan.within_error([row(1, 1000, 0.05), row(2, 960, 0.03), row(3, 900, 0.02)])
+    assert len(sentence) == 2 and sentence[1].startswith("Rows 2 are predicted within the best's expected error (5%")
+    assert plan.within_error([row(1, 1000, 0.05), row(2, 940, 0.05)]) == []      # 6% slower: ordered
+    assert plan.within_error([row(1, 1000, 0.05)]) == []
