@@ -46,7 +46,11 @@ def main(argv: list[str]) -> int:
     print(f"wrote {out} in {time.monotonic() - began:.0f} s: best GEMM {best / 1e9:.0f} GFLOP/s, "
           f"stream {profile['stream']['bytes_per_s'] / 1e9:.1f} GB/s, kernel floor "
           f"{kernel_floor_s(profile['framework']) * 1e6:.1f} us (one op {profile['op_floor']['forward_s'] * 1e6:.1f} us), "
-          f"worlds {sorted(profile['collectives'])} (threads {profile['threads']}, load {profile['load_average']})")
+          f"worlds {sorted(profile['collectives'])} (threads {profile['threads']}, load {profile['load_average']})\n"
+          f"spread over {profile['spread']['rounds']} rounds, (max - min) / median: GEMM rates median "
+          f"{profile['spread']['gemm_median']:.0%} (largest {profile['spread']['gemm_max']:.0%}), stream "
+          f"{profile['spread']['stream']:.0%}, op floor {profile['spread']['op_floor_forward']:.0%}, framework step "
+          f"{profile['spread']['framework_step']:.0%}")
     return 0
 
 

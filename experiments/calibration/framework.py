@@ -57,13 +57,16 @@ def _step_seconds(point_dict: dict, steps: int) -> float:
 
 
 def measure(steps: int = 15, rounds: int = 5) -> dict:
-    """{"shape", "micro_batch", "recompute", "layers": [...], "step_s": [...]} at DEPTHS: per depth
-    the median over `rounds` fresh ranks, the depths interleaved, so that a burst of other work
-    on the machine lands on both (one round's per-layer time moved 40% between two calibrations)."""
+    """{"shape", "micro_batch", "recompute", "layers": [...], "step_s": [...], "spread"} at DEPTHS:
+    per depth the median over `rounds` fresh ranks, the depths interleaved, so that a burst of
+    other work on the machine lands on both (one round's per-layer time moved 40% between two
+    calibrations); spread: the larger depth's (max - min) / median over the rounds."""
     points = [vanishing_point(layers) for layers in DEPTHS]
     seconds = [[] for _ in points]
     for _ in range(rounds):
         for depth, p in enumerate(points):
             seconds[depth].append(spawn(_step_seconds, 1, p.as_dict(), steps, backend="gloo", timeout=120)[0])
+    spreads = [(max(s) - min(s)) / statistics.median(s) for s in seconds]
     return {"shape": dict(SHAPE), "micro_batch": MICRO_BATCH, "recompute": bool(points[0].train["recompute"]),
-            "layers": list(DEPTHS), "step_s": [statistics.median(s) for s in seconds]}
+            "layers": list(DEPTHS), "step_s": [statistics.median(s) for s in seconds],
+            "spread": round(max(spreads), 4)}

@@ -10,6 +10,7 @@ import datetime
 import os
 import platform
 import socket
+import statistics
 
 import torch
 
@@ -19,6 +20,32 @@ SWEEP_MODELS = ("tiny_s", "tiny_m", "tiny_l")  # the cpu_default grid's models (
 SWEEP_MICRO_BATCH = 4
 STREAM_BYTES = 256 * 2 ** 20  # per array: far beyond the 2 MiB L2 per core this VM's ranks get
 RANK_THREADS = 1  # the sweep's ranks are forked with torch.set_num_threads(1) (experiments/launch.py)
+# the compute measurements are taken this many times, interleaved, and their medians kept: one
+# burst of other work on a shared machine then moves one round, not the profile, and the rounds'
+# spread says how steady the machine was
+ROUNDS = 3
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median of repeated measurements of one quantity."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def median_of_rounds(rounds: list[dict]) -> tuple[dict, dict]:
+    """The profile's compute entries as the medians of `rounds` (each {"op_floor", "stream", "gemm"}),
+    and their spread: per op-floor field, the stream rate, and the median and largest over GEMM shapes."""
+    floor = {k: statistics.median(r["op_floor"][k] for r in rounds) for k in rounds[0]["op_floor"]}
+    stream = statistics.median(r["stream"] for r in rounds)
+    gemm = []
+    for i, entry in enumerate(rounds[0]["gemm"]):
+        rates = [r["gemm"][i]["flops_per_s"] for r in rounds]
+        gemm.append({**entry, "seconds": statistics.median(r["gemm"][i]["seconds"] for r in rounds),
+                     "flops_per_s": statistics.median(rates), "spread": round(spread(rates), 4)})
+    gemm_spreads = [g["spread"] for g in gemm]
+    return ({"op_floor": floor, "stream": stream, "gemm": gemm},
+            {"rounds": len(rounds), "op_floor_forward": round(spread([r["op_floor"]["forward_s"] for r in rounds]), 4),
+             "stream": round(spread([r["stream"] for r in rounds]), 4),
+             "gemm_median": round(statistics.median(gemm_spreads), 4), "gemm_max": round(max(gemm_spreads), 4)})
 
 
 def runnable_worlds() -> list[int]:
@@ -37,12 +64,17 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def measure_profile(worlds: list[int] | None = None) -> dict:
-    """Every measurement of the profile (about a minute on 2 shared cores)."""
+def measure_profile(worlds: list[int] | None = None, rounds: int = ROUNDS) -> dict:
+    """Every measurement of the profile (about two minutes on 2 shared cores): the compute ones
+    `rounds` times, interleaved, their medians kept and their spread recorded (`spread`)."""
     torch.set_num_threads(RANK_THREADS)
     shapes = compute.sweep_gemm_shapes(list(SWEEP_MODELS), SWEEP_MICRO_BATCH)
     shapes += [(1, s, s, s) for s in compute.SQUARE_SIZES if (1, s, s, s) not in shapes]
-    floor = compute.measure_op_floor()
+    measured, spreads = median_of_rounds([
+        {"op_floor": compute.measure_op_floor(), "stream": compute.measure_stream_bytes_per_s(STREAM_BYTES),
+         "gemm": compute.measure_gemms(shapes)} for _ in range(rounds)])
+    work = framework.measure()
+    spreads["framework_step"] = work.pop("spread")
     worlds = runnable_worlds() if worlds is None else worlds
     return {
         "host": socket.gethostname(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
@@ -50,9 +82,10 @@ def measure_profile(worlds: list[int] | None = None) -> dict:
         "torch": str(torch.__version__), "threads": RANK_THREADS, "dtype": "float32",
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "note": "measured by `make calibrate` on this host at this date; valid for this machine only",
-        "op_floor": floor,
-        "framework": framework.measure(),
-        "stream": {"array_bytes": STREAM_BYTES, "bytes_per_s": compute.measure_stream_bytes_per_s(STREAM_BYTES)},
-        "gemm": compute.measure_gemms(shapes),
+        "op_floor": measured["op_floor"],
+        "framework": work,
+        "stream": {"array_bytes": STREAM_BYTES, "bytes_per_s": measured["stream"]},
+        "gemm": measured["gemm"],
+        "spread": spreads,
         "collectives": {w: collectives.measure(w) for w in worlds},
     }

@@ -102,4 +102,15 @@ def from_default_profile(records: list[dict], path: Path | None = None) -> tuple
     s = summary(table[~table["point"].isin(["median abs(ratio - 1)", "max abs(ratio - 1)", "worst factor"])])
     return table, (f"prediction_check: {len(table) - 3} points against {path.name} ({profile['date']}): "
                    f"median abs(ratio - 1) {s['median abs(ratio - 1)']:.2f} (target <= {MEDIAN_TARGET:g}), "
-                   f"worst factor {s['worst factor']:.2f} (target <= {FACTOR_TARGET:g})")
+                   f"worst factor {s['worst factor']:.2f} (target <= {FACTOR_TARGET:g})" + spread_note(profile))
+
+
+def spread_note(profile: dict) -> str:
+    """How steady the machine was while `make calibrate` measured it (profiles before the
+    rounds have none)."""
+    spread = profile.get("spread")
+    if not spread:
+        return ""
+    return (f"; the profile's spread over {spread['rounds']} rounds: GEMM rates {spread['gemm_median']:.0%} "
+            f"(largest {spread['gemm_max']:.0%}), stream {spread['stream']:.0%}, framework step "
+            f"{spread['framework_step']:.0%}")

@@ -149,3 +149,19 @@ def test_gpu_check_gemm_row_sets_the_measured_curve_beside_the_profiles(tmp_path
     # (64, 64, 64), (256, 64, 64), (512, 64, 64): (1e9/12 + 3e9/8 + 4e9/9) / (1/12 + 1/8 + 1/9) = 2.826e9
     assert expected == "calibrated:testhost predicts 64: 0.001, 256: 0.00283" and verdict == "PASS"
     assert prediction_rows.gemm_row({"ok": True, "value": [(64, 2e9)]}, None, "fp32")[2] == "no profile for this device"
+
+
+def test_the_profile_keeps_the_median_of_its_rounds_and_reports_their_spread():
+    from experiments.calibration.profile import median_of_rounds, spread
+    from experiments.reports.prediction_check import spread_note
+    gemm = lambda rate, s: [{"m": 8, "n": 8, "k": 8, "batch": 1, "seconds": s, "flops_per_s": rate}]  # noqa: E731
+    rounds = [{"op_floor": {"forward_s": f, "backward_s": 1e-6}, "stream": b, "gemm": gemm(r, s)}
+              for f, b, r, s in ((4e-6, 10e9, 100e9, 3e-3), (5e-6, 8e9, 90e9, 2e-3), (9e-6, 12e9, 120e9, 1e-3))]
+    measured, spreads = median_of_rounds(rounds)
+    assert measured["op_floor"]["forward_s"] == 5e-6 and measured["stream"] == 10e9
+    assert measured["gemm"][0]["flops_per_s"] == 100e9 and measured["gemm"][0]["seconds"] == 2e-3
+    assert spread([4e-6, 5e-6, 9e-6]) == pytest.approx(1.0)                 # (9 - 4) / 5
+    assert spreads == {"rounds": 3, "op_floor_forward": 1.0, "stream": 0.4, "gemm_median": 0.3, "gemm_max": 0.3}
+    note = spread_note({"spread": {**spreads, "framework_step": 0.05}})
+    assert note == "; the profile's spread over 3 rounds: GEMM rates 30% (largest 30%), stream 40%, framework step 5%"
+    assert spread_note({}) == ""
