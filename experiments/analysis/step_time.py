@@ -398,7 +398,7 @@ def predict_record(record: dict, hw: Hardware | None = None) -> StepTime | None:
 
 def kernel_table(x: StepInputs, hw: Hardware, system: str | System | None = None) -> list[dict]:
     """One layer's and the head's kernels at x's per-GPU shape, with FLOPs, bytes and times on hw
-    as `system` runs them."""
+    as `system` runs them (a TP all-reduce call: its buffer and NCCL's time over the TP group)."""
     rows, fraction = [], half_load_fraction(x, system)
     layer = "megatron2019" if system is None else resolve_system(system).layer
     if system is not None:
@@ -406,7 +406,10 @@ def kernel_table(x: StepInputs, hw: Hardware, system: str | System | None = None
     for phase, kernels in step_kernels(x.shape(), 1, x.recompute, layer).items():
         for kernel, _ in kernels:
             device, floor = kernel.times(hw, fraction)
-            rows.append({"phase": phase, "kernel": kernel.name, "gflops": kernel.flops / 1e9, "mb": kernel.bytes / 1e6,
+            if kernel.all_reduce_bytes:
+                device = _collective(hw, "all_reduce", kernel.all_reduce_bytes, tp_group(x, hw))
+            rows.append({"phase": phase, "kernel": kernel.name, "gflops": kernel.flops / 1e9,
+                         "mb": (kernel.bytes or kernel.all_reduce_bytes) / 1e6,
                          "gemm_efficiency": hw.gemm.efficiency(*kernel.gemm) if kernel.gemm else None,
                          "us": (device + floor) * 1e6})
     return rows
