@@ -50,8 +50,9 @@ def runs_by_point(records: list[dict]) -> dict[str, list[dict]]:
 
 
 def point_label(record: dict) -> str:
-    """The point without its config hash: model, stage, world, TP, micro-batch."""
-    return record["point_id"].rsplit("-", 1)[0]
+    """The point without its config hash: model, stage, world, TP, micro-batch, and the precision
+    it ran in (an fp32 and an fp16 run of one shape are two points: their steps differ)."""
+    return f"{record['point_id'].rsplit('-', 1)[0]}-{record.get('precision', '?')}"
 
 
 def prediction_rows(records: list[dict], hw: Hardware) -> pd.DataFrame:

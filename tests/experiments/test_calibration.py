@@ -124,11 +124,15 @@ def test_prediction_check_table_from_fixture_records_and_profile(monkeypatch):
     g1_again, g1_third = {**copy.deepcopy(g1), "step_time_s": 0.03}, {**copy.deepcopy(g1), "step_time_s": 1.0}
     table = pc.prediction_check([g4, g2, other_host, simulated, g1, g1_again, g1_third], PROFILE)
     rows = table.iloc[:-3]
-    assert list(rows["point"]) == ["tiny_s-s2-g1-tp1-mb4", "tiny_s-s2-g2-tp1-mb4"]  # g4: 4 ranks > 2 cores
+    precision = g1["precision"]
+    assert list(rows["point"]) == [f"tiny_s-s2-g1-tp1-mb4-{precision}", f"tiny_s-s2-g2-tp1-mb4-{precision}"]  # g4: 4 ranks > 2 cores
     assert list(rows["runs"]) == [3, 1] and list(rows["measured s"]) == [0.02, 0.04]  # world 1: the fastest of 3 runs
     assert list(rows["ratio"]) == pytest.approx([1.5, 0.5])
     assert list(rows["largest term"]) == ["kernel_floors"] * 2
     assert sorted(seen) == [(1, "calibrated:testhost", "zero_repro"), (2, "calibrated:testhost", "zero_repro")]
+    fp16 = {**copy.deepcopy(g1), "precision": "fp16", "step_time_s": 0.01}  # one shape in two precisions: two points
+    assert [label for label, _ in sorted(pc.runs_by_point([g1, g1_again, fp16]).items())] == \
+        [f"tiny_s-s2-g1-tp1-mb4-{p}" for p in sorted({precision, "fp16"})]
     summary = dict(zip(table["point"].iloc[-3:], table["ratio"].iloc[-3:]))
     assert summary == pytest.approx({"median abs(ratio - 1)": 0.5, "max abs(ratio - 1)": 0.5, "worst factor": 2.0})
 
