@@ -109,7 +109,8 @@ def test_the_development_set_is_the_copied_file():
 
 def test_the_model_meets_the_development_sets_targets():
     summary = validation.validation_summary().set_index("group")
-    overall = summary.loc[["all"]].iloc[0]
-    assert overall.median_error <= 0.10 and overall.p90_error <= 0.25 and overall.worst_factor < 2
+    for group in ("all", "all but the host costs' rows"):   # the second: rows the host costs were not measured on
+        overall = summary.loc[[group]].iloc[0]
+        assert overall.median_error <= 0.10 and overall.p90_error <= 0.25 and overall.worst_factor < 2, group
     assert summary.loc["TP"].median_ratio.between(0.85, 1.15).all()
     assert summary.loc["fastest TP right"].fraction >= 0.8
