@@ -138,5 +138,6 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
                  f"error (predicted / measured - 1, absolute) median {overall.median_error:.3f}, p90 "
                  f"{overall.p90_error:.3f}, worst factor "
                  f"{overall.worst_factor:.2f}; median ratio by TP " + " / ".join(f"{r:.2f}" for r in by_tp.median_ratio)
-                 + f"; fastest TP right in {ranking.value}", HOW["predicted"], "validation_summary.md, validation.md"))
+                 + f"; fastest TP right in {ranking.value.split(' (')[0]}", HOW["predicted"],
+                 "validation_summary.md, validation.md"))
     return pd.DataFrame(rows, columns=list(COLUMNS))
