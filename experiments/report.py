@@ -31,25 +31,39 @@ from experiments.points import ConfigError
 from experiments.records import REPO, load_records
 
 
-def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
+def model_tables() -> dict[str, pd.DataFrame]:
+    """The tables no record changes: Table 1's formula and the step-time model's checks."""
     t1 = tables.table1()
-    built = {"table1": t1, "table1_wide": tables.table1_wide(t1), "table2": tables.table2(records),
-             "throughput": tables.throughput_table(records), "memory": tables.memory_table(records),
-             "communication": tables.comm_table(records), "throughput_predicted": tables.throughput_predicted(records),
-             "paper_claims": tables.paper_claims(records), "targets": tables.targets(), "sensitivity": tables.sensitivity(),
-             "measured_steps": tables.measured_steps(),
-             "simulation": tables.simulation_table(records),
-             "largest": tables.largest_table(records), "gemm_check": gemm_check.gemm_check_table(),
-             "gemm_check_summary": gemm_check.gemm_check_summary(), "gemm_ceiling": gemm_check.gemm_ceiling_table(),
-             # the step-time model against measured A100 steps (reports/validation.py)
-             "validation": validation.validation_table(), "validation_summary": validation.validation_summary(),
-             "validation_out_of_scope": validation.out_of_scope_table(),
-             "validation_host_constants": validation.host_constants_table(),
-             "validation_layer_slopes": validation.layer_slopes_table(), "nccl_check": validation.nccl_check()}
+    return {"table1": t1, "table1_wide": tables.table1_wide(t1), "targets": tables.targets(),
+            "sensitivity": tables.sensitivity(), "measured_steps": tables.measured_steps(),
+            "gemm_check": gemm_check.gemm_check_table(), "gemm_check_summary": gemm_check.gemm_check_summary(),
+            "gemm_ceiling": gemm_check.gemm_ceiling_table(),
+            # the step-time model against measured A100 steps (reports/validation.py)
+            "validation": validation.validation_table(), "validation_summary": validation.validation_summary(),
+            "validation_out_of_scope": validation.out_of_scope_table(),
+            "validation_host_constants": validation.host_constants_table(),
+            "validation_layer_slopes": validation.layer_slopes_table(), "nccl_check": validation.nccl_check()}
+
+
+def record_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
+    """The tables of these records (an experiment's folder holds those with rows)."""
+    built = {"table2": tables.table2(records), "throughput": tables.throughput_table(records),
+             "memory": tables.memory_table(records), "communication": tables.comm_table(records),
+             "simulation": tables.simulation_table(records), "largest": tables.largest_table(records)}
     if zero_r.fig7_records(records):  # Figure 7's tables where its points were simulated
         built.update(fig7_memory=zero_r.fig7_table(records), fig7_statements=zero_r.fig7_statements(records))
-    built["scorecard"] = scorecard.scorecard(records)  # the README's, from the tables above
     return built
+
+
+def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
+    """Every table of the whole record set's report: the model's, the records', every paper point's
+    prediction and claim (with ours where records hold it), and the README's scorecard, which reads them."""
+    return {**model_tables(), **record_tables(records), "throughput_predicted": tables.throughput_predicted(records),
+            "paper_claims": tables.paper_claims(records), "scorecard": scorecard.scorecard(records)}
+
+
+# The model's predictions of the paper's points: the whole set's report draws them, not an experiment's folder.
+PREDICTED_FIGURES = ("fig2_predicted", "fig3_predicted", "fig4_predicted", "fig8_predicted")
 
 
 def to_markdown(df: pd.DataFrame) -> str:
@@ -98,12 +112,24 @@ def write_tables(tables: dict[str, pd.DataFrame], out_dir: Path) -> list[Path]:
     return written
 
 
-def write_reports(records: list[dict], out_dir: Path) -> list[Path]:
-    """Every table (.md, .csv, .tex) and figure (.png, .svg); returns the files written."""
+def write_reports(records: list[dict], out_dir: Path, only_filled: bool = False) -> list[Path]:
+    """Every table (.md, .csv, .tex) and figure (.png, .svg); returns the files written. With
+    `only_filled` (one experiment's folder), only what its records fill: their tables with rows and
+    figures without an empty panel (the model's tables and figures, the claims and the scorecard
+    are the whole set's report's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = write_tables(build_tables(records), out_dir)
+    if only_filled:
+        built = {name: df for name, df in record_tables(records).items() if len(df)}
+    else:
+        built = build_tables(records)
+    written = write_tables(built, out_dir)
     for name, draw in figures.FIGURES.items():
+        if only_filled and name in PREDICTED_FIGURES:
+            continue
         fig = draw(records)
+        if only_filled and figures.has_empty_panel(fig):
+            plt.close(fig)
+            continue
         for suffix in (".png", ".svg"):  # no date in the files: regenerated reports diff cleanly
             fig.savefig(out_dir / f"{name}{suffix}", dpi=110, metadata={"Date": None} if suffix == ".svg" else None)
             written.append(out_dir / f"{name}{suffix}")
@@ -128,7 +154,7 @@ def main(cfg: DictConfig) -> None:
     results, experiment = _records_dir(cfg)
     records = load_records(results, experiment)
     out_dir = Path(cfg.out_dir) / experiment if experiment else Path(cfg.out_dir)
-    written = write_reports(records, out_dir)
+    written = write_reports(records, out_dir, only_filled=experiment is not None)
     if not results.resolve().is_relative_to(REPO / "results" / "reference"):  # committed reports hold no host's check
         check, line = prediction_check.from_default_profile(records)
         if check is not None:  # this host's check: on its own line, apart from the host-independent files

@@ -74,11 +74,20 @@ def _finish(*axes) -> None:
         ax.grid(alpha=0.3)
 
 
+EMPTY_PANEL = "empty"  # the gid of a panel _empty drew: has_empty_panel finds it
+
+
 def _empty(ax, text: str) -> None:
     """A panel with nothing to draw: its title and why, wrapped to fit, without an axis of made-up 0-1 ranges."""
     ax.set_axis_off()
+    ax.set_gid(EMPTY_PANEL)
     ax.text(0.5, 0.5, textwrap.fill(text, 44), ha="center", va="center", transform=ax.transAxes, fontsize=9,
             color="0.4")
+
+
+def has_empty_panel(fig: Figure) -> bool:
+    """Whether a panel of the figure had none of its records to draw (a per-experiment report skips it)."""
+    return any(ax.get_gid() == EMPTY_PANEL for ax in fig.axes)
 
 
 def _headroom(ax, room: float = 0.12) -> None:

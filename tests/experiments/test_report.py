@@ -89,7 +89,12 @@ def test_report_cli(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                            f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert f"10 records (10 ok) -> 73 files in {tmp_path / 'cpu_default'}" in done.stdout
+    assert f"10 records (10 ok) -> 22 files in {tmp_path / 'cpu_default'}" in done.stdout
+    # An experiment's folder holds what its records fill: the measured CPU runs' tables and
+    # figures; no empty table, no "no ok records" panel, none of the whole set's model tables
+    written = {p.name.split(".")[0] for p in (tmp_path / "cpu_default").iterdir()}
+    assert written == {"communication", "largest_model_cpu", "memory", "memory_bars", "scaling", "table2",
+                       "throughput", "throughput_vs_size"}
     bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                           f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: Could not find 'experiment/nope'")
