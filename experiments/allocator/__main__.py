@@ -17,7 +17,7 @@ from experiments.allocator.config import AllocatorConfigError, parse_conf
 from experiments.allocator.replay import ReplayError, replay
 
 
-def _nonnegative(text: str) -> int:
+def _positive(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay a _dump_snapshot() pickle or JSON; print one JSON object")
     rp.add_argument("snapshot")
-    rp.add_argument("--capacity-bytes", type=_nonnegative, default=None,
+    rp.add_argument("--capacity-bytes", type=_positive, default=None,
                     help="bytes cudaMalloc can hand out (default: unbounded)")
     rp.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True "
                                                  "(default: the snapshot's own)")
