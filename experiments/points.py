@@ -30,10 +30,10 @@ from experiments.analysis.activations import activation_memory, engine_buffer_by
 from experiments.analysis.hardware import from_cluster
 from experiments.analysis.step_time import inputs_from_point, predict
 from experiments.analysis.memory import model_state_bytes, optimizer_step_bytes
-from experiments.models.megatron_gpt import (LAYER_SPECS, GPTShape, normal_draws_per_rank, padded_vocab_size,
-                                             parameters_per_tp_rank)
+from experiments.models.gpt_shape import (LAYER_SPECS, GPTShape, normal_draws_per_rank, padded_vocab_size,
+                                          parameters_per_tp_rank)
 
-from .schema import ModelConfig, TrainSettings, ZeroSettings
+from .schema import ModelConfig, TrainConfig, TrainSettings, ZeroSettings
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 AXES = ("model", "stage", "gpus", "tp", "micro_batch")
@@ -491,3 +491,25 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
             "step_temporaries": step, "total": max(backward, states["total"] + step),
             "peak_phase": "step" if states["total"] + step > backward else "backward",
             "terms": {"model_states": states, "activations": activations, "buffers": buffers}}
+
+
+def check_simulate_rank(points: list[Point], rank: int) -> None:
+    for point in points:
+        if not 0 <= rank < point.gpus:
+            raise ConfigError(f"point ({point.describe()}): simulate_rank must be in [0, {point.gpus}), got {rank}")
+
+
+def point_from_train_config(cfg: DictConfig) -> Point:
+    """The single point a train.py invocation describes (validated like a sweep's). With a
+    deepspeed_config, a stage or micro_batch other than train.py's default is the command line's,
+    which the JSON's must equal (expand checks); the default itself cannot be told from one given."""
+    axes = ("stage", "gpus", "tp", "micro_batch")
+    deepspeed = cfg.get("deepspeed_config") or ""
+    given = {axis: cfg[axis] if deepspeed and axis in ("stage", "micro_batch") and cfg[axis] != getattr(TrainConfig, axis)
+             else None for axis in axes}
+    sweep_like = OmegaConf.create({
+        "experiment": {"name": cfg.experiment_name, "points": [{"model": cfg.model.name, **{k: cfg[k] for k in axes}}],
+                       "grid": {}},
+        "model": cfg.model, "train": cfg.train, "zero": cfg.zero, "cluster": cfg.cluster, "launcher": "torchrun",
+        "deepspeed_config": deepspeed, **given})
+    return expand(sweep_like)[0]

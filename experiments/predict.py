@@ -84,7 +84,7 @@ def targets(cfg: DictConfig) -> list[tuple[Point, st.StepInputs, str, str]]:
 
 def prediction_row(point: Point, x: st.StepInputs, system: str, zero_r: str, hw: Hardware) -> dict:
     """One point's JSON object: the point, its series, and the prediction with its terms."""
-    from experiments.models.megatron_gpt import parameter_count
+    from experiments.models.gpt_shape import parameter_count
     pred = st.predict(x, hw, system)
     return {"model": point.model["name"], "label": point.model.get("label", ""),
             "params": parameter_count(point.shape, point.tp), "gpus": point.gpus, "tp": point.tp, "dp": point.dp,

@@ -24,20 +24,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.cli import exit_on_interrupt, preflight_or_exit
-from experiments.points import ConfigError, check_runnable_here, expand
-from experiments.run.fake import check_simulate_rank
+from experiments.points import ConfigError, check_runnable_here, check_simulate_rank, expand
 from experiments.schema import register
-from experiments.sweeps.dry_run import dry_run
-from experiments.sweeps.largest import run_sweep_largest
-from experiments.sweeps.local import run_local_sweep
-from experiments.sweeps.simulated import run_sweep_simulated
-from experiments.sweeps.slurm_job import run_in_slurm_job, submitit_job
 
 register()
 
 
 def run_sweep(cfg: DictConfig) -> int:
     """The sweep the config describes: listed (dry_run), simulated, searched (simulate_largest) or run here."""
+    # imported once the preflight has passed: a bad command line is refused without them (and megatron-core)
+    from experiments.sweeps.dry_run import dry_run
+    from experiments.sweeps.largest import run_sweep_largest
+    from experiments.sweeps.local import run_local_sweep
+    from experiments.sweeps.simulated import run_sweep_simulated
     points = expand(cfg)
     print(f"experiment {cfg.experiment.name}: {len(points)} points. {cfg.experiment.description}")
     results_dir = _absolute(cfg.results_dir) / cfg.experiment.name
@@ -63,6 +62,7 @@ def _absolute(path: str) -> Path:
 @exit_on_interrupt("the records written so far are kept (the point that was running says it was interrupted); "
                    "the same command again goes on, skipping points with an ok record")
 def main(cfg: DictConfig) -> None:
+    from experiments.sweeps.slurm_job import run_in_slurm_job, submitit_job
     try:
         job = submitit_job()
         if job is not None:

@@ -23,17 +23,17 @@ from omegaconf import DictConfig
 
 from experiments.cli import exit_on_interrupt, preflight_or_exit
 from experiments.commands import python_command, quoted, torchrun_command
-from experiments.points import ConfigError, cpu_normal_draws_per_s, launch_plan
-from experiments.run.fake import check_simulate_rank, simulate_and_record
-from experiments.run.real import point_from_train_config, run_as_rank
+from experiments.points import (ConfigError, check_simulate_rank, cpu_normal_draws_per_s, launch_plan,
+                                point_from_train_config)
 from experiments.schema import register
-from experiments.sweeps.summary import point_summary_line, simulated_summary_markdown, simulated_summary_rows
 
 register()
 
 
 def simulate(cfg: DictConfig) -> int:
     """simulate=true: the point's record and its summary row; 0 unless the simulation failed."""
+    from experiments.run.fake import simulate_and_record
+    from experiments.sweeps.summary import simulated_summary_markdown, simulated_summary_rows
     point = point_from_train_config(cfg)
     record, path = simulate_and_record(point, Path(cfg.results_dir), cfg.simulate_rank)
     print(simulated_summary_markdown(simulated_summary_rows([point], path.parent.parent, cfg.simulate_rank)))
@@ -44,6 +44,9 @@ def simulate(cfg: DictConfig) -> int:
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 @exit_on_interrupt("rank 0's record says where the run stopped")
 def main(cfg: DictConfig) -> None:
+    # imported once the preflight has passed: a bad command line is refused without megatron-core
+    from experiments.run.real import run_as_rank
+    from experiments.sweeps.summary import point_summary_line
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one,
     if "MASTER_PORT" not in os.environ:  # on a port no other run holds

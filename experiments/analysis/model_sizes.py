@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from experiments.models.megatron_gpt import GPTShape, narayanan_eq2, parameter_count
+from experiments.models.gpt_shape import GPTShape, narayanan_eq2, parameter_count
 
 PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"
 

@@ -333,7 +333,7 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str | System = "zero
 # -- from the suite's points and records ------------------------------------------------------
 def shape_inputs(model: dict, tp: int) -> dict:
     """A model config's shape fields: padded vocab and parameters per TP rank as megatron builds them."""
-    from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameters_per_tp_rank
+    from experiments.models.gpt_shape import GPTShape, padded_vocab_size, parameters_per_tp_rank
     shape = GPTShape(model["layers"], model["hidden"], model["heads"], model["seq_len"], model["vocab_size"])
     return {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len,
             "vocab": padded_vocab_size(shape.vocab_size, tp), "psi": float(parameters_per_tp_rank(shape, tp))}

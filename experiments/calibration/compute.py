@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from experiments.models.megatron_gpt import padded_vocab_size
+from experiments.models.gpt_shape import padded_vocab_size
 from experiments.points import load_model
 
 SQUARE_SIZES = (32, 64, 128, 256, 512, 1024)

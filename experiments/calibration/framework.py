@@ -29,7 +29,7 @@ DEPTHS = (1, 4)
 
 def vanishing_point(layers: int) -> Point:
     """The sweep's stage-0 one-rank point at the vanishing shape with `layers` layers."""
-    from experiments.run.real import point_from_train_config
+    from experiments.points import point_from_train_config
     register()
     GlobalHydra.instance().clear()
     overrides = ["model=tiny_s", f"model.layers={layers}", *(f"model.{k}={v}" for k, v in SHAPE.items()),

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from experiments.points import CONF_DIR
-from experiments.run.real import point_from_train_config
+from experiments.points import point_from_train_config
 from experiments.schema import register
 
 SKIPPED = "gpu-check: skipped, no CUDA device here (torch.cuda.is_available() is False)"

@@ -184,7 +184,7 @@ def predicted_rows(records: list[dict] | None = None) -> list[dict]:
 
 
 def point_params(point) -> float:
-    from experiments.models.megatron_gpt import parameter_count
+    from experiments.models.gpt_shape import parameter_count
     return parameter_count(point.shape, point.tp)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 import zero_impl
-from experiments.models.megatron_gpt import build_gpt, megatron_param_init_fn, parameter_count
+from experiments.models.megatron_gpt import build_gpt, megatron_param_init_fn
+from experiments.models.gpt_shape import parameter_count
 from experiments.models.tiny_gpt import synthetic_tokens
 from experiments.points import Point
 
@@ -29,18 +30,31 @@ def build_model(point: Point, device: torch.device, dtype: torch.dtype = torch.f
         return build_gpt(point.shape, recompute=recompute, seed=seed, dtype=dtype, layer_spec=spec), None
 
 
+def adamw_implementation() -> dict:
+    """torch AdamW's implementation for this machine: on CUDA the fused kernel (one kernel per
+    param group, 28 bytes per element read and written; it takes the engine's unscale-and-clip
+    divisor and skips an fp16 overflow on the device, so a step never waits on the host). On the
+    CPU torch's own default, the implementation CPU simulations step with too (fake.py), so a CPU
+    run and its simulation measure the same step (with foreach, the storage tracker's peak of a
+    CPU run falls below its model states plus activations: tests/experiments/test_sweep.py)."""
+    return {"fused": True} if torch.cuda.is_available() else {}
+
+
 def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn, dp_group, tp_group,
                    **adamw) -> zero_impl.ZeroEngine:
     """`model` in the point's engine: its ZeroConfig, and the paper's AdamW (weight decay on
-    matrices only; `adamw` adds options, e.g. foreach) over ZeRO's data-parallel group."""
+    matrices only) over ZeRO's data-parallel group; `adamw` options replace
+    adamw_implementation()'s choice (fake.py's simulation asks for foreach)."""
     t = point.train
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
               {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
     config = zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
                                   **point.zero)
+    options = adamw or adamw_implementation()
+
     def adamw_over(g):
-        return torch.optim.AdamW(g, lr=t["lr"], betas=tuple(t["adam_betas"]), eps=t["adam_eps"], **adamw)
+        return torch.optim.AdamW(g, lr=t["lr"], betas=tuple(t["adam_betas"]), eps=t["adam_eps"], **options)
     return zero_impl.initialize(model, config, optimizer=adamw_over,
                                 param_groups=groups, dp_group=dp_group, mp_group=tp_group, param_init_fn=init_fn)
 

@@ -53,7 +53,7 @@ import zero_impl
 from experiments import records
 from experiments.launch import run_in_child
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
-from experiments.points import ConfigError, Point, resolve_precision
+from experiments.points import Point, check_simulate_rank, resolve_precision
 from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
 from experiments.run.collective_counter import CollectiveCounter
 from experiments.run.nccl_list_buffers import NcclListBuffers
@@ -209,12 +209,6 @@ def simulate_in_child(point_dict: dict, precision: str, rank: int = 0, *, foreac
     only process group); its result, or RuntimeError with the child's traceback."""
     return run_in_child(functools.partial(simulate_point, foreach=foreach), point_dict, precision, rank,
                         timeout=timeout, what="simulation")
-
-
-def check_simulate_rank(points: list[Point], rank: int) -> None:
-    for point in points:
-        if not 0 <= rank < point.gpus:
-            raise ConfigError(f"point ({point.describe()}): simulate_rank must be in [0, {point.gpus}), got {rank}")
 
 
 def simulate_and_record(point: Point, results_dir: Path, rank: int = 0) -> tuple[dict, Path]:

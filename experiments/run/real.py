@@ -18,16 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
-from omegaconf import DictConfig, OmegaConf
 
 import zero_impl
 from experiments import records
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
-from experiments.points import ConfigError, Point, expand, resolve_precision
+from experiments.points import ConfigError, Point, resolve_precision
 from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
 from experiments.run.outcome import OutcomeAgreement, PointFailed, RanksLost
 from experiments.run.record import build_record
-from experiments.schema import TrainConfig
 
 
 class Preempted(Exception):
@@ -212,22 +210,6 @@ def _sync(device: torch.device) -> None:
 
 
 # -- one rank of a launched job ------------------------------------------------------------------
-def point_from_train_config(cfg: DictConfig) -> Point:
-    """The single point a train.py invocation describes (validated like a sweep's). With a
-    deepspeed_config, a stage or micro_batch other than train.py's default is the command line's,
-    which the JSON's must equal (expand checks); the default itself cannot be told from one given."""
-    axes = ("stage", "gpus", "tp", "micro_batch")
-    deepspeed = cfg.get("deepspeed_config") or ""
-    given = {axis: cfg[axis] if deepspeed and axis in ("stage", "micro_batch") and cfg[axis] != getattr(TrainConfig, axis)
-             else None for axis in axes}
-    sweep_like = OmegaConf.create({
-        "experiment": {"name": cfg.experiment_name, "points": [{"model": cfg.model.name, **{k: cfg[k] for k in axes}}],
-                       "grid": {}},
-        "model": cfg.model, "train": cfg.train, "zero": cfg.zero, "cluster": cfg.cluster, "launcher": "torchrun",
-        "deepspeed_config": deepspeed, **given})
-    return expand(sweep_like)[0]
-
-
 def run_as_rank(point: Point, results_dir: Path, launcher: str, store: dist.Store | None = None) -> Path | None:
     """Train `point` as one rank of a job whose launcher (torchrun, srun, submitit) set RANK,
     WORLD_SIZE and LOCAL_RANK, and MASTER_ADDR and MASTER_PORT unless it passes the job's `store`

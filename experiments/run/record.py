@@ -12,7 +12,7 @@ from experiments import records
 from experiments.analysis.flops import model_flops_per_iteration, recompute_factor
 from experiments.analysis.memory import predicted_for_engine
 from experiments.launch import RankFailed
-from experiments.models.megatron_gpt import padded_vocab_size, parameter_count
+from experiments.models.gpt_shape import padded_vocab_size, parameter_count
 from experiments.points import Point, predicted_memory_bytes, predicted_model_state_bytes
 from experiments.run.collective_counter import tp_allreduce_theory
 from experiments.run.storage_tracker import KINDS

@@ -1,7 +1,7 @@
 """sweep.py dry_run=true: the points an experiment would run, with their predicted memory per GPU."""
 from __future__ import annotations
 
-from experiments.models.megatron_gpt import parameter_count
+from experiments.models.gpt_shape import parameter_count
 from experiments.points import Point, local_devices, predicted_memory_bytes
 from experiments.sweeps.summary import format_bytes
 

@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.analysis import step_time as st
 from experiments.analysis.calibrated import cluster_hardware
 from experiments.analysis.expected_error import expected_error
-from experiments.models.megatron_gpt import parameter_count
+from experiments.models.gpt_shape import parameter_count
 from experiments.analysis.hardware import load_cluster
 from experiments.commands import python_command, train_command
 from experiments.launch import default_workers
@@ -131,7 +131,7 @@ def tp_degrees(cfg: DictConfig, gpus_per_node: int) -> list[int]:
     """TP degrees megatron can split the model by (heads and hidden) whose groups stay inside a
     node (TP groups are consecutive ranks: the degree divides the GPUs a node holds of the job);
     of those, the ones `tps` lists when it is given."""
-    from experiments.models.megatron_gpt import GPTShape
+    from experiments.models.gpt_shape import GPTShape
     m = cfg.model
     shape = GPTShape(m.layers, m.hidden, m.heads, m.seq_len, m.vocab_size)
     out = []

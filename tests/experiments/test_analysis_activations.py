@@ -10,7 +10,8 @@ from experiments.sweeps.dry_run import dry_run
 from experiments.analysis.activations import (activation_memory, checkpoint_bytes, engine_buffer_bytes, head_bytes,
                                               layer_activation_bytes, layer_params_per_tp_rank, logits_bytes,
                                               root_params_per_tp_rank)
-from experiments.models.megatron_gpt import GPTShape, padded_vocab_size, parameter_count, parameters_per_tp_rank
+from experiments.models.gpt_shape import (GPTShape, padded_vocab_size, parameter_count,
+                                          parameters_per_tp_rank)
 from experiments.points import expand, predicted_memory_bytes
 from zero_impl import MAX_INFLIGHT_STAGING
 

@@ -10,7 +10,8 @@ import torch
 
 import zero_impl
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import GPTShape, build_gpt, gpt_loss, initialize_parallel
+from experiments.models.megatron_gpt import build_gpt, gpt_loss, initialize_parallel
+from experiments.models.gpt_shape import GPTShape
 from experiments.models.tiny_gpt import synthetic_tokens
 from experiments.points import ConfigError, Point, checkpoint_bytes_per_rank, checkpoint_seconds, expand
 from experiments.schema import TrainSettings

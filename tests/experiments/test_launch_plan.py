@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import GPTShape, build_gpt, initialize_parallel, normal_draws_per_rank, param_role
+from experiments.models.megatron_gpt import build_gpt, initialize_parallel, param_role
+from experiments.models.gpt_shape import GPTShape, normal_draws_per_rank
 from experiments.points import cpu_normal_draws_per_s, expand, launch_plan
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,8 +15,8 @@ from megatron.core import parallel_state
 import zero_impl
 from helpers import gather_tp
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import (INIT_STD, GPTShape, ParamRole, transformer_config, build_gpt,
-                                             init_parameter, initialize_parallel, megatron_param_init_fn, param_role)
+from experiments.models.megatron_gpt import INIT_STD, ParamRole, transformer_config, build_gpt, init_parameter, initialize_parallel, megatron_param_init_fn, param_role
+from experiments.models.gpt_shape import GPTShape
 
 pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting
 

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from experiments.models import megatron_gpt
-from experiments.models.megatron_gpt import GPTShape, transformer_config, init_parameter, param_role, parameter_seed
+from experiments.models.megatron_gpt import transformer_config, init_parameter, param_role, parameter_seed
+from experiments.models.gpt_shape import GPTShape
 
 pytestmark = pytest.mark.numerical
 

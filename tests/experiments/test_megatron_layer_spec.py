@@ -12,7 +12,8 @@ from torch.overrides import TorchFunctionMode
 from megatron.core.models.gpt import gpt_layer_specs
 
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import GPTShape, transformer_config, build_gpt, gpt_layer_spec, initialize_parallel
+from experiments.models.megatron_gpt import transformer_config, build_gpt, gpt_layer_spec, initialize_parallel
+from experiments.models.gpt_shape import GPTShape
 from experiments.points import ConfigError, expand
 
 SHAPE = GPTShape(layers=1, hidden=16, heads=4, seq_len=8, vocab_size=256)

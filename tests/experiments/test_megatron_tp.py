@@ -21,8 +21,9 @@ from zero_impl import checkpoint
 from helpers import fp64_tolerance, gather_tp, max_abs_diff
 from experiments.analysis.flops import model_flops_per_iteration
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import (GPTShape, build_gpt, initialize_parallel, lm_inputs, narayanan_eq2,
-                                    padded_vocab_size, parameter_count, parameters_per_tp_rank)
+from experiments.models.megatron_gpt import build_gpt, initialize_parallel, lm_inputs
+from experiments.models.gpt_shape import (GPTShape, narayanan_eq2, padded_vocab_size, parameter_count,
+                                          parameters_per_tp_rank)
 from experiments.models.tiny_gpt import synthetic_tokens
 
 pytestmark = pytest.mark.numerical  # make test-matrix reruns these under every CPU setting

@@ -140,7 +140,7 @@ def test_bad_plan_input_is_one_line_naming_the_key():
 
 def _train_point(overrides: str):
     """The point train.py builds from a row's overrides (composed as its command line would be)."""
-    from experiments.run.real import point_from_train_config
+    from experiments.points import point_from_train_config
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -56,7 +56,7 @@ def test_predicted_model_states_take_the_engines_bytes_per_element(compose, prec
     """Table 1's prediction at the engine's own dtypes: bf16 keeps fp32 gradients (G = 4, not the
     paper's fp16 2), fp32 has no separate master (K = 8)."""
     import zero_impl
-    from experiments.models.megatron_gpt import parameters_per_tp_rank
+    from experiments.models.gpt_shape import parameters_per_tp_rank
     from experiments.points import expand, predicted_model_state_bytes
     point = expand(compose("model=tiny_s", "stage=2", "gpus=[4]", "dry_run=true"))[0]
     predicted, psi = predicted_model_state_bytes(point, precision), parameters_per_tp_rank(point.shape, point.tp)

@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 import zero_impl
 from experiments.launch import spawn
-from experiments.models.megatron_gpt import GPTShape, build_gpt, initialize_parallel, lm_inputs
+from experiments.models.megatron_gpt import build_gpt, initialize_parallel, lm_inputs
+from experiments.models.gpt_shape import GPTShape
 from experiments.models.tiny_gpt import synthetic_tokens
 from zero_impl.config import ZERO_R_CONFIGS, zero_r_config
 
