@@ -43,6 +43,10 @@ class ZeroConfig:
         optimizer.CHUNKABLE always step the whole shard.
     overlap_comm: launch a bucket's collective asynchronously as soon as it is ready, so it runs
         while backward computes the next bucket; False = blocking collectives.
+    overlap_param_gather: stages 1-2 (with overlap_comm): each bucket's post-step all-gather is
+        waited on when the next forward first runs a module with parameters in it (megatron-core's
+        name and behaviour), so the gathers hide behind that forward; every rank must then run the
+        next forward (or call engine.finish_param_gathers()). False: complete them inside step().
     loss_scale: fp16 only; 0 = dynamic loss scaling starting at 2**initial_scale_power, halved
         on overflow and doubled after loss_scale_window clean steps, never below min_loss_scale.
     hysteresis: overflows tolerated before the dynamic scale halves (DeepSpeed's fp16.hysteresis,
@@ -54,6 +58,9 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: elements of upcoming units to all-gather ahead (0 = no prefetch).
     stage3_param_persistence_threshold: parameters of at most this many elements stay gathered
         (DeepSpeed uses 1e5; 0 partitions everything, as the paper's Pos+g+p).
+    stage3_keep_root: keep the root unit gathered from the end of forward to its backward, which
+        begins with it (FSDP2's root, reshard_after_forward=False): one gather of the root a
+        step saved, the paper's 3Ψ less the root. False: the paper's schedule.
     check_collective_order: before every collective, check that all ranks of the group issue
         the same one, and raise naming the difference instead of hanging (slow; for debugging).
     force_collectives: issue every collective through torch.distributed even in a world of one
@@ -85,6 +92,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 40_000_000
     optimizer_bucket_size: int | None = 40_000_000
     overlap_comm: bool = True
+    overlap_param_gather: bool = True
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
@@ -95,6 +103,7 @@ class ZeroConfig:
     stage3_max_live_units: int = 3
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 0
+    stage3_keep_root: bool = True
     check_collective_order: bool = False
     force_collectives: bool = False
     partition_activations: bool = False
@@ -128,7 +137,8 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig.{key} must be >= 0, got {getattr(self, key)!r}")
         if not self.min_loss_scale > 0:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}")
-        for key in ("overlap_comm", "consecutive_hysteresis", "check_collective_order", "force_collectives",
+        for key in ("overlap_comm", "overlap_param_gather", "stage3_keep_root", "consecutive_hysteresis",
+                    "check_collective_order", "force_collectives",
                     "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"ZeroConfig.{key} must be true or false, got {getattr(self, key)!r}")

@@ -27,7 +27,7 @@ from .grad_reducer import BucketedGradReducer
 from .layout import Slot
 from .loss_scaler import LossScaler
 from .memory import storage_bytes
-from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer
+from .optimizer import OptimizerFactory, OwnedShard, ShardedOptimizer, StepApplied
 from .stage3 import Stage3Params
 from .stage3_units import find_unit_modules
 
@@ -62,7 +62,9 @@ class ZeroEngine(nn.Module):
             self.params = FlatParamBuffer(slots, bucket_size=config.reduce_bucket_size,
                                           allgather_bucket_size=config.allgather_bucket_size,
                                           sharded=config.stage > 0, comm=self.dp, overlap=config.overlap_comm,
-                                          dtype=dtype, master_dtype=config.master_dtype)
+                                          dtype=dtype, master_dtype=config.master_dtype,
+                                          overlap_param_gather=config.overlap_param_gather)
+            self.params.register_hooks(module)
         self.slots = slots  # stage 3 may have swapped meta parameters for real ones: read them now
         trainable = [s for s in slots if s.param.requires_grad]
         self.psi = sum(s.numel for s in trainable)
@@ -76,12 +78,14 @@ class ZeroEngine(nn.Module):
         self.scaler = LossScaler(enabled=config.precision == "fp16", static_scale=config.loss_scale,
                                  initial_scale_power=config.initial_scale_power,
                                  window=config.loss_scale_window, min_scale=config.min_loss_scale,
-                                 hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis)
+                                 hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis,
+                                 device=device)
         self.sharded_optimizer = ShardedOptimizer(
             shards, group_options, optimizer,
             clip_grad_norm=config.clip_grad_norm, scaler=self.scaler, dp=self.dp, mp=self.mp,
             grads_replicated=config.stage == 0, share_master=not config.mixed_precision,
-            master_dtype=config.master_dtype, bucket_size=config.optimizer_bucket_size)
+            master_dtype=config.master_dtype, bucket_size=config.optimizer_bucket_size,
+            grad_divisor=self.grads.step_divisor)
         self.params.bind(dtype)
         for shard in shards:
             shard.param = self.params.shard_view(shard.bucket)
@@ -125,8 +129,9 @@ class ZeroEngine(nn.Module):
         return _cast_floats(out, torch.float32) if self.config.mixed_precision else out
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss` * fp16 loss scale / grad_accum_steps and reduce the gradients,
-        which the reducer averages over data-parallel ranks (grad_reducer.divide_factors)."""
+        """Backpropagate `loss` * fp16 loss scale / grad_accum_steps and reduce the gradients;
+        their average over data-parallel ranks is taken around the sum (fp16: divide_factors)
+        or by the optimizer's unscale (grad_reducer.step_divisor)."""
         self._check_open()
         accum = self.config.grad_accum_steps
         boundary = (self.micro_steps + 1) % accum == 0
@@ -138,10 +143,11 @@ class ZeroEngine(nn.Module):
         try:
             # The whole loss scale in backward: dividing by the DP size here would run backward at
             # scale / DP (512 at DP 128) and push small fp16 activation gradients into subnormals.
-            # The reducer divides by the DP size around the sum instead. The accumulation divide
-            # stays here (as DeepSpeed's and Megatron's): the micro-steps' gradients are summed in
-            # the reduce dtype, which must not grow with grad_accum_steps.
-            (loss * (self.scaler.scale / accum)).backward()
+            # The DP average is taken after (the reducer, the optimizer's unscale). The scale is a
+            # device tensor when dynamic: multiplying by it reads nothing on the host. The
+            # accumulation divide stays here (as DeepSpeed's and Megatron's): the micro-steps'
+            # gradients are summed in the reduce dtype, which must not grow with grad_accum_steps.
+            (loss * (self.scaler.factor() / accum)).backward()
             self.grads.end_backward()
         except BaseException:
             self.grads.abandon_backward()
@@ -150,22 +156,35 @@ class ZeroEngine(nn.Module):
             self.params.end_backward()
 
     @torch.no_grad()
-    def step(self) -> bool:
+    def step(self) -> bool | StepApplied:
         """Call after every micro-batch; on the last one of an accumulation, update the parameters.
 
         Returns True when an update was applied, False on accumulation micro-steps and on
-        fp16 overflow (the step is then skipped on every rank and the loss scale lowered).
+        fp16 overflow (the step is then skipped on every rank and the loss scale lowered). With
+        an optimizer that skips on the device (torch's fused AdamW) the step never waits on the
+        host, and the answer is a StepApplied: truthy as the bool, read from the device only
+        when looked at.
         """
         self._check_open()
         self.micro_steps += 1
         if self.micro_steps % self.config.grad_accum_steps:
             return False
+        self.params.finish_gathers()  # the last step's gathers read the shards this step writes
         applied = self.sharded_optimizer.step()
-        self.params.after_step(applied)
+        # A skip decided on the device is not known here: gather anyway (the unchanged shards),
+        # so that every rank issues the same collectives without reading the decision.
+        self.params.after_step(applied is not False)
         self.grads.zero_grads()
         self.steps += 1
         self._boundary_traffic = [self._boundary_traffic[1], self.ledger.snapshot()]
         return applied
+
+    def finish_param_gathers(self) -> None:
+        """Stages 1-2: complete the last step's parameter all-gathers now (collectives: call on
+        every rank). The next forward waits on them bucket by bucket as its modules run; call
+        this first when a forward is run by some ranks only (sampling on rank 0)."""
+        self._check_open()
+        self.params.finish_gathers()
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self, gather: bool = True) -> None:
@@ -242,6 +261,7 @@ class ZeroEngine(nn.Module):
         the paper's sizes export through zero_impl.checkpoint instead (sharded, to disk).
         """
         self._check_open()
+        self.params.finish_gathers()  # the export's gathers after the step's, on every rank
         flat = self.sharded_optimizer.full_master(self.params.numel, self.params.buckets,
                                                 self.dp if self.params.sharded else None)
         slot_of = {id(s.param): s for s in self.slots}
@@ -263,7 +283,8 @@ class ZeroEngine(nn.Module):
             optimizer_states  the fp32 masters (unless they are the model's shard) and the
                               optimizer's states (Adam's moments and step counts)
             buffers           working buffers alive now: gradient staging and reduce-scatter
-                              outputs, ZeRO-R's gather and prefetch pools
+                              outputs, ZeRO-R's gather and prefetch pools; the step's device
+                              scalars (norm, skipped steps, loss scale)
             checkpoints       ZeRO-R: the kept part of each live activation checkpoint (and MD's
                               arena) on the device; host_checkpoints: in host memory (Pa+cpu)
 
@@ -320,6 +341,7 @@ class ZeroEngine(nn.Module):
             "skipped_steps": self.sharded_optimizer.skipped_steps,
             "loss_scale": self.scaler.scale,
             "grad_norm": self.sharded_optimizer.grad_norm,
+            "optimizer": self.sharded_optimizer.implementation(),
             "comm": {"last_step": CommLedger.summarize(last, since=previous, exclude=("export",)),
                      "total": CommLedger.summarize(self.ledger.snapshot())},
             "memory": self.memory(),
@@ -351,7 +373,7 @@ class ZeroEngine(nn.Module):
         part computes it: the staging's MAX_INFLIGHT_STAGING + 1 buckets of at most
         reduce_bucket_size elements plus alignment, or one larger parameter, or at stage 3 a unit
         (BucketedGradReducer.staging_limit_bytes of the params' bucket_limit); the all-gathers in
-        flight (FlatParamBuffer.allgather_limit_bytes); the norm's 2 sums; an update of
+        flight (FlatParamBuffer.allgather_limit_bytes); the norm's sums (1, 2 under TP); an update of
         optimizer_bucket_size elements (ShardedOptimizer.chunk_limit_bytes); ZeRO-R's, one
         checkpoint each (ActivationCheckpoints.buffer_limits)."""
         self._check_open()

@@ -20,8 +20,10 @@ import math
 from collections import deque
 
 import torch
+from torch import nn
 
 from .comm import Communicator
+from .hooks import WeakHook
 from .layout import BUCKET_ALIGN, PARAM_ALIGN, Bucket, Slot, build_buckets, round_up
 
 
@@ -29,13 +31,19 @@ class FlatParamBuffer:
     """The bucketed parameter buffer of stages 0-2 and its post-step all-gather."""
 
     def __init__(self, slots: list[Slot], *, bucket_size: int, allgather_bucket_size: int, sharded: bool,
-                 comm: Communicator, overlap: bool, dtype: torch.dtype, master_dtype: torch.dtype) -> None:
+                 comm: Communicator, overlap: bool, dtype: torch.dtype, master_dtype: torch.dtype,
+                 overlap_param_gather: bool = True) -> None:
         """`dtype`: model precision; `master_dtype`: the optimizer's (its master pieces are cut
         here, from the parameters' values, when it differs from `dtype`)."""
         self.slots, self.comm, self.overlap = slots, comm, overlap
-        self.sharded = sharded
+        self.sharded, self.overlap_param_gather = sharded, overlap_param_gather
         self.bucket_size, self.allgather_bucket_size = bucket_size, allgather_bucket_size
         self.peak_inflight_elements = 0  # of post-step all-gathers launched and not yet waited on
+        self._held_back: deque[int] = deque()  # buckets whose post-step gather is not issued yet
+        self._inflight: deque = deque()        # (bucket index, work), issued and not waited on
+        self._inflight_elements = 0
+        self._stale: set[int] = set()          # buckets whose gather is not complete
+        self.handles: list = []
         self.buckets: list[Bucket] = build_buckets(slots, bucket_size, comm.size if sharded else 1)
         self.numel = self.buckets[-1].end if self.buckets else 0
         device = slots[0].param.device if slots else torch.device("cpu")
@@ -81,38 +89,89 @@ class FlatParamBuffer:
         self._initial_masters = [None] * len(self.buckets)
 
     def begin_backward(self) -> None:
-        pass
+        self.finish_gathers()  # backward reads every parameter, used in forward or not
 
     def end_backward(self) -> None:
         pass
 
+    # -- the post-step all-gather, hidden behind the next forward --------------------------------
     def after_step(self, applied: bool) -> None:
         """Stages 1-2, after an update: every rank's updated slice to every rank, in place.
 
-        At most allgather_bucket_size elements of gathers are in flight (a larger bucket alone),
-        DeepSpeed's "elements all-gathered at a time": the oldest is waited on and dropped before
-        the next would pass it, which bounds whatever a backend holds per call (gloo flattens
-        each output into a host temporary; NCCL holds nothing for these in-place gathers). On
-        NCCL a wait makes the compute stream wait on an event, with no host sync, and the
-        gathers run one after another on NCCL's stream anyway, so the bound costs no overlap.
+        The gathers go out in forward order (the buckets from last to first: the layout puts the
+        first layers' parameters in the last buckets) and are waited on only when a module whose
+        parameters live in a bucket is about to run (a forward pre-hook, `_before_module`), as
+        megatron-core's overlap_param_gather: the next forward's first layers wait for their
+        buckets, its later layers run while theirs arrive. At most allgather_bucket_size elements
+        of gathers are in flight (a larger bucket alone), DeepSpeed's "elements all-gathered at a
+        time": a wait lets the next buckets go out. The bound caps whatever a backend holds per
+        call (gloo flattens each output into a host temporary; NCCL holds nothing for these
+        in-place gathers). On NCCL a wait makes the waiting stream wait on the gather's event,
+        with no host sync, and the gathers run one after another on NCCL's stream.
+
+        Every rank must then enter the next forward, or anything else that needs the parameters
+        (backward, step, full_parameters, state_dict, close, finish_gathers), as it issues the
+        gathers still held back: a forward run by one rank alone (sampling on rank 0) is preceded
+        by engine.finish_param_gathers() on every rank, or overlap_param_gather=False gathers
+        everything inside step() instead.
         """
         if not self.sharded or not applied:
             return
-        inflight: deque = deque()  # (work, elements)
-        elements = 0
-        for b in self.buckets:
-            while inflight and elements + b.numel > self.allgather_bucket_size:
-                work, n = inflight.popleft()
-                work.wait()
-                elements -= n
-            self.peak_inflight_elements = max(self.peak_inflight_elements, elements + b.numel)
+        self.finish_gathers()
+        self._held_back.extend(range(len(self.buckets) - 1, -1, -1))
+        self._stale.update(range(len(self.buckets)))
+        self._issue()
+        if not (self.overlap and self.overlap_param_gather):
+            self.finish_gathers()
+
+    def _issue(self) -> None:
+        """Send the held-back gathers, in order, while they fit in allgather_bucket_size."""
+        while self._held_back:
+            b = self.buckets[self._held_back[0]]
+            if self._inflight and self._inflight_elements + b.numel > self.allgather_bucket_size:
+                return
+            self._held_back.popleft()
+            self.peak_inflight_elements = max(self.peak_inflight_elements, self._inflight_elements + b.numel)
             work = self.comm.all_gather(self.data[b.index], self.shard_view(b), purpose="params",
                                         async_op=self.overlap)
-            if work is not None:
-                inflight.append((work, b.numel))
-                elements += b.numel
-        for work, _ in inflight:
+            if work is None:  # blocking (or a world of one): complete already
+                self._stale.discard(b.index)
+            else:
+                self._inflight.append((b.index, work))
+                self._inflight_elements += b.numel
+
+    def _wait_for(self, index: int) -> None:
+        """Bucket `index` is needed now: wait for the gathers up to it (in issue order)."""
+        while index in self._stale:
+            if not self._inflight:
+                self._issue()
+                continue
+            done, work = self._inflight.popleft()
             work.wait()
+            self._stale.discard(done)
+            self._inflight_elements -= self.buckets[done].numel
+            self._issue()
+
+    def _before_module(self, buckets: tuple[int, ...], module: nn.Module, args) -> None:
+        """Forward pre-hook of a module owning parameters in `buckets`."""
+        for index in buckets if self._stale else ():
+            self._wait_for(index)
+
+    def finish_gathers(self) -> None:
+        """Complete every post-step gather: full, updated parameters on this rank."""
+        for index in sorted(self._stale, key=lambda i: -i):
+            self._wait_for(index)
+
+    def register_hooks(self, module: nn.Module) -> None:
+        """Forward pre-hooks on each module owning flat-buffer parameters (stages 1-2)."""
+        if not self.sharded:
+            return
+        bucket_of = {id(s.param): s.bucket for s in self.slots}
+        for m in module.modules():
+            owned = tuple(sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of},
+                                 reverse=True))
+            if owned:
+                self.handles.append(m.register_forward_pre_hook(WeakHook(self._before_module, owned)))
 
     def allgather_bytes(self) -> int:
         """Bytes of post-step all-gathers in flight at once, at most so far (in place: the
@@ -143,6 +202,12 @@ class FlatParamBuffer:
 
     def close(self, gather: bool = True) -> None:
         """Give each parameter its own storage, a copy of its slice (every rank holds the full
-        values: no collective, `gather` is stage 3's), so the flat buffer goes with this object."""
+        values once the post-step gathers are complete; `gather` is stage 3's), so the flat
+        buffer goes with this object."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if gather:
+            self.finish_gathers()
         for s in self.slots:
             s.param.data = s.param.data.clone()

@@ -18,6 +18,7 @@ in a different order on different ranks.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -60,8 +61,17 @@ class BucketedGradReducer:
         self.buckets, self.stage, self.comm = buckets, stage, comm
         self.on_bucket_complete = on_bucket_complete
         self.dtype, self.overlap, self.device = dtype, overlap, device
+        # CUDA: the waits and the bookkeeping after each reduction on a stream of their own (_finish_oldest)
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and overlap else None
         self.slot_of = {id(s.param): s for s in slots}
         self.pre_divide, self.post_divide = divide_factors(comm.size, dtype)
+        # Gradients with fp32's range leave the reduction as sums: the optimizer's unscale, a pass
+        # over them it makes anyway, divides by the DP size too (`step_divisor`), so averaging costs
+        # no pass at all, on any backend. fp16 divides here, to keep its headroom as the sum grows
+        # over micro-steps at stages 2-3.
+        self.step_divisor = 1.0
+        if dtype != torch.float16:
+            self.step_divisor, self.post_divide = self.post_divide, 1.0
         total = buckets[-1].end if buckets else 0
         if stage < 2:
             self.full = torch.zeros(total, dtype=dtype, device=device)
@@ -78,6 +88,8 @@ class BucketedGradReducer:
         self.next_launch = len(buckets)
         self.reducing = False
         self.first_micro_step = True
+        self.written: set[int] = set()  # parameters whose gradient is in the buffer since the accumulation began
+        self._padding: dict[int, list[tuple[int, int]]] = {}
         self.peak_buffer_bytes = 0
         # Weak: the model outlives this reducer, whose buffers its hooks must not keep alive.
         self.handles = [s.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad)) for s in slots]
@@ -96,6 +108,8 @@ class BucketedGradReducer:
         """Arm the hooks: `reduce` on the micro-steps whose gradients are reduced now."""
         self.reducing = reduce
         self.first_micro_step = first_micro_step
+        if first_micro_step or self.full is None:  # stages 2-3 stage each micro-step afresh
+            self.written = set()
         self.pending = [sum(s.param.requires_grad for s in b.slots) for b in self.buckets]
         self.reported: set[int] = set()
         self.next_launch = 0
@@ -112,7 +126,14 @@ class BucketedGradReducer:
             target, base = self.full, 0
         else:
             target, base = self._staging_for(bucket), bucket.start
-        target[slot.start - base:slot.end - base].add_(param.grad.view(-1), alpha=1 / self.pre_divide)
+        view, grad = target[slot.start - base:slot.end - base], param.grad.view(-1)
+        if id(param) in self.written:  # a later micro-step (stages 0-1): accumulate
+            view.add_(grad, alpha=1 / self.pre_divide)
+        elif self.pre_divide != 1:     # the first: write, no zeroing before, no read of the old values
+            torch.mul(grad, 1 / self.pre_divide, out=view)
+        else:
+            view.copy_(grad)
+        self.written.add(id(param))
         param.grad = None
         if self.reducing and id(param) not in self.reported:
             self.reported.add(id(param))
@@ -124,16 +145,43 @@ class BucketedGradReducer:
                 self.next_launch += 1
 
     def _staging_for(self, bucket: Bucket) -> torch.Tensor:
+        """Stages 2-3: the bucket's staging buffer, its padding zeroed (gradients are copied in)."""
         buf = self.staging.get(bucket.index)
         if buf is None:
-            buf = self.staging[bucket.index] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            buf = self.staging[bucket.index] = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            gaps = self._padding_of(bucket)
+            if gaps:  # one foreach kernel for all of the bucket's alignment gaps
+                torch._foreach_zero_([buf[lo:hi] for lo, hi in gaps])
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
         return buf
+
+    def _padding_of(self, bucket: Bucket) -> list[tuple[int, int]]:
+        """The ranges of `bucket` (relative) that no parameter covers: alignment and its tail."""
+        gaps = self._padding.get(bucket.index)
+        if gaps is None:
+            gaps, at = [], 0
+            for s in sorted(bucket.slots, key=lambda s: s.start):
+                if s.start - bucket.start > at:
+                    gaps.append((at, s.start - bucket.start))
+                at = max(at, s.end - bucket.start)
+            if at < bucket.numel:
+                gaps.append((at, bucket.numel))
+            self._padding[bucket.index] = gaps
+        return gaps
+
+    def _zero_unwritten(self, bucket: Bucket, target: torch.Tensor, base: int) -> None:
+        """Parameters of `bucket` that got no gradient in this accumulation (unused, or frozen)
+        hold stale values or none: zeros, before the bucket is reduced."""
+        for s in bucket.slots:
+            if id(s.param) not in self.written:
+                target[s.start - base:s.end - base].zero_()
 
     def _launch(self, bucket: Bucket) -> None:
         if not any(s.param.requires_grad for s in bucket.slots):
             return  # only frozen parameters (a stage-3 unit): nothing to reduce
         whole = slice(bucket.start, bucket.end)
+        if self.full is not None:
+            self._zero_unwritten(bucket, self.full, 0)
         if self.stage == 0:
             work = self.comm.all_reduce(self.full[whole], purpose="grads", async_op=self.overlap)
             self.inflight.append((work, None, self.full[whole], None))
@@ -142,10 +190,9 @@ class BucketedGradReducer:
                                             purpose="grads", async_op=self.overlap)
             self.inflight.append((work, None, self.shard_grads[bucket.index], None))
         else:
-            staging = self.staging.pop(bucket.index, None)
-            if staging is None:  # no parameter of this bucket got a gradient: reduce zeros
-                staging = self._staging_for(bucket)
-                self.staging.pop(bucket.index)
+            staging = self._staging_for(bucket)  # none yet: no parameter of it got a gradient
+            self._zero_unwritten(bucket, staging, bucket.start)
+            self.staging.pop(bucket.index)
             accumulate = not self.first_micro_step
             out = torch.empty_like(self.shard_grads[bucket.index]) if accumulate else self.shard_grads[bucket.index]
             work = self.comm.reduce_scatter(out, staging, purpose="grads", async_op=self.overlap)
@@ -154,18 +201,34 @@ class BucketedGradReducer:
         if work is None:  # blocking collective (or a world of one): done already
             self._finish_oldest()
         while self.stage >= 2 and len(self.inflight) > MAX_INFLIGHT_STAGING:
-            self._finish_oldest()
+            self._finish_oldest(bound=True)
 
-    def _finish_oldest(self) -> None:
-        """Wait for the oldest reduction, average its sum (divide_factors) and, on a later
-        micro-step of stage 2-3, add it into the gradient shard."""
-        work, _staging, out, accumulate_into = self.inflight.popleft()
-        if work is not None:
-            work.wait()
-        if self.post_divide != 1:
-            out.div_(self.post_divide)
-        if accumulate_into is not None:
-            accumulate_into.add_(out)
+    def _finish_oldest(self, bound: bool = False) -> None:
+        """Wait for the oldest reduction, average its sum (fp16: divide_factors) and, on a later
+        micro-step of stage 2-3, add it into the gradient shard.
+
+        On CUDA this runs on the reducer's own stream (`side`), FSDP2's arrangement: the wait
+        makes that stream, not the compute stream, wait for NCCL, so backward's kernels keep
+        running while the bucket is finished. The staging buffer and the reduce-scatter output
+        were allocated on the compute stream and are last used here: record_stream keeps the
+        caching allocator from handing their memory out again before this stream is done with
+        them. With `bound` (MAX_INFLIGHT_STAGING reached) the compute stream waits for this
+        bucket too, so the memory it frees is really free before the next staging buffer is
+        cut (the bound holds on the device, not only on the host)."""
+        work, staging, out, accumulate_into = self.inflight.popleft()
+        with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
+            if work is not None:
+                work.wait()
+            if self.post_divide != 1:
+                out.div_(self.post_divide)
+            if accumulate_into is not None:
+                accumulate_into.add_(out)
+        if self.side is not None:
+            for t in (staging, out if accumulate_into is not None else None):
+                if t is not None:
+                    t.record_stream(self.side)
+            if bound:
+                torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def end_backward(self) -> None:
         """Reduce what is left (buckets with unused parameters) and wait for every collective."""
@@ -175,12 +238,14 @@ class BucketedGradReducer:
                 self.next_launch += 1
         while self.inflight:
             self._finish_oldest()
+        if self.side is not None:  # the optimizer and the next backward read what the side stream wrote
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
         self.reducing = False
 
     def zero_grads(self) -> None:
-        """Start a new accumulation (stage 2 overwrites its shard on the first micro-step)."""
-        if self.full is not None:
-            self.full.zero_()
+        """Start a new accumulation: nothing to clear. The first micro-step copies gradients into
+        the buffer (and stage 2-3's reduce-scatter overwrites the shard); the padding, never
+        written, stays zero; a parameter without a gradient is zeroed as its bucket is reduced."""
 
     # -- accounting -------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:

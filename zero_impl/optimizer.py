@@ -18,7 +18,6 @@ which marks phases with them, is unaffected; a hook that counts steps is not).
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -79,9 +78,12 @@ class ShardedOptimizer:
     def __init__(self, shards: list[OwnedShard], group_options: list[dict], factory: OptimizerFactory, *, clip_grad_norm: float,
                  scaler: LossScaler, dp: Communicator, mp: Communicator, grads_replicated: bool,
                  share_master: bool, master_dtype: torch.dtype = torch.float32,
-                 bucket_size: int | None = None) -> None:
+                 bucket_size: int | None = None, grad_divisor: float = 1.0) -> None:
+        """`grad_divisor`: the reduced gradients are sums, divided by this (the DP size) here
+        (grad_reducer.step_divisor)."""
         self.shards = shards
         self.clip_grad_norm = clip_grad_norm
+        self.grad_divisor = grad_divisor
         self.scaler = scaler
         self.dp, self.mp = dp, mp
         self.grads_replicated = grads_replicated
@@ -108,8 +110,15 @@ class ShardedOptimizer:
         # master elements per update: None, the whole shard at once, unless the optimizer is CHUNKABLE
         self.chunk_elements = bucket_size if type(self.optimizer) in CHUNKABLE else None
         self.chunks = _chunks(self.masters, self.chunk_elements)
-        self.grad_norm = float("nan")
-        self.skipped_steps = 0
+        # torch's fused optimizers take GradScaler's grad_scale (they divide the gradients by it in
+        # their kernel) and found_inf (they skip a flagged update themselves)
+        self.takes_grad_scale = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        self.skips_on_device = self.takes_grad_scale
+        self._divisor: tuple[float, torch.Tensor] | None = None
+        self._step_plan: _Plan | None = None
+        self._grad_norm: torch.Tensor | None = None  # device values, read when asked (grad_norm, skipped_steps)
+        self._norm_scale = 1.0  # _grad_norm / _norm_scale is the norm (a fixed divisor: divided when read)
+        self._skipped: torch.Tensor | int = 0
         self.placeholder_states = False  # init_states' states, until a checkpoint is loaded into them
         self._placeholders: list[weakref.ref] = []  # init_states' state tensors, until the first step
         # torch's own load (optimizer.load_state_dict, as DCP's set_optimizer_state_dict calls it)
@@ -117,67 +126,161 @@ class ShardedOptimizer:
         # A weak reference: the optimizer may outlive this object (an LR scheduler holds it).
         self.optimizer.register_load_state_dict_post_hook(functools.partial(_states_loaded, weakref.ref(self)))
 
-    def global_grad_sumsq(self) -> tuple[float, bool]:
-        """(sum of squares of the true, unscaled-by-clip gradient, any non-finite value anywhere),
-        summed in fp32, or in the gradients' own dtype when that is wider (fp64)."""
-        device = self.shards[0].grad.device if self.shards else torch.device("cpu")
+    # -- the step: no host sync, launches independent of the bucket count ------------------------
+    def global_grad_sums(self) -> torch.Tensor:
+        """The sum of squares of the global gradient, all-reduced over the DP and TP groups, a
+        device tensor summed in fp32 (in the gradients' own dtype when wider: fp64). One element;
+        under tensor parallelism two, [counted, all]: TP duplicates are counted once in the
+        first, and the second holds every element for the overflow test (every rank makes the
+        same two-element call, whichever pieces it excludes). One foreach norm over all shards
+        and a dot of the norms: the same kernels whatever the bucket count."""
+        plan = self._plan()
         dtype = self._norm_dtype()
-        counted = torch.zeros((), dtype=dtype, device=device)
-        total = torch.zeros((), dtype=dtype, device=device)
-        for shard in self.shards:
-            sq = torch.linalg.vector_norm(shard.grad, dtype=dtype).square()
-            counted += sq
-            total += sq
-        for shard, piece in self.excluded_from_norm:
-            g = shard.grad[piece.start - shard.lo:piece.end - shard.lo]
-            counted -= torch.linalg.vector_norm(g, dtype=dtype).square()
-        sums = torch.stack([counted, total])
+        if plan.grads:
+            norms = torch.stack(torch._foreach_norm(plan.grads, 2, dtype=dtype))
+            total = torch.dot(norms, norms)
+        else:
+            total = torch.zeros((), dtype=dtype, device=self._device())
+        if self.mp.size > 1:
+            counted = total
+            if plan.excluded:
+                ex = torch.stack(torch._foreach_norm(plan.excluded, 2, dtype=dtype))
+                counted = total - torch.dot(ex, ex)
+            sums = torch.stack([counted, total])
+        else:
+            sums = total.reshape(1)
         if self.grads_replicated and self.dp.size > 1:
             sums /= self.dp.size  # every DP rank holds the same full gradient: count it once
         self.dp.all_reduce(sums, purpose="norm")
         self.mp.all_reduce(sums, purpose="norm")
-        if is_fake(sums):  # a simulation (FakeTensorMode, experiments/run/fake.py): no values to read
-            return float("nan"), False
-        return float(sums[0]), not math.isfinite(float(sums[1]))
+        return sums
 
     def _norm_dtype(self) -> torch.dtype:
         return torch.promote_types(self.shards[0].grad.dtype, torch.float32) if self.shards else torch.float32
 
-    def step(self) -> bool:
-        """Apply one update from the reduced gradients; False (and nothing changed) on overflow."""
+    def _device(self) -> torch.device:
+        return self.shards[0].grad.device if self.shards else torch.device("cpu")
+
+    def step(self) -> bool | StepApplied:
+        """Apply one update from the reduced gradients. In fp16 (loss scaling) a step whose
+        gradients are not all finite is skipped (nothing changed) on every rank, and the dynamic
+        scale lowered; in bf16 and fp32, as in torch, FSDP2 and Megatron, nothing is tested.
+
+        Everything is decided on the device: the norm, the clip coefficient, the overflow flag,
+        the skip and the loss-scale update are tensors queued behind the gradients. An optimizer
+        that takes GradScaler's `grad_scale` and `found_inf` (torch's fused Adam, AdamW, SGD,
+        Adagrad: `_step_supports_amp_scaling`) gets the unscale, the DP average and the clip as
+        one divisor, applied in its own kernel, and skips a flagged update itself: no value
+        reaches the host and an fp16 step answers with a StepApplied, read only when asked. Any
+        other optimizer gets its gradients multiplied in one foreach, and cannot skip on the
+        device: in fp16 the flag is read (one sync per step, GradScaler's own fallback)."""
         if self._placeholders:
             self._settle_placeholders()
-        sumsq, overflow = self.global_grad_sumsq()
-        scale = self.scaler.scale
-        if overflow:
-            self.scaler.update(overflow=True)
-            self.skipped_steps += 1
-            self.grad_norm = float("inf")
-            return False
-        self.grad_norm = math.sqrt(max(sumsq, 0.0)) / scale
-        coef = 1.0 / scale
-        if self.clip_grad_norm > 0 and not math.isnan(sumsq):  # NaN: simulated, the step applies unclipped
-            # Same formula as torch.nn.utils.clip_grad_norm_.
-            coef *= min(1.0, self.clip_grad_norm / (self.grad_norm + 1e-6))
-        for chunk in self.chunks:
-            self._step_chunk(chunk, coef)
-        self.scaler.update(overflow=False)
-        return True
+        sums = self.global_grad_sums()
+        scale = self.scaler.factor()
+        if self.grad_divisor != 1:
+            scale = scale * self.grad_divisor  # the loss scale and the DP average, undone at once
+        found_inf = None
+        if self.scaler.enabled:  # 1.0 when a gradient is not finite (inf * 0 and nan * 0 are nan), else 0.0
+            found_inf = (sums[-1] * 0).nan_to_num_(nan=1.0)
+        raw = sums[0].clamp(min=0).sqrt() if self.mp.size > 1 else sums[0].sqrt()  # a difference may round below 0
+        self._grad_norm, self._norm_scale = (raw / scale, 1.0) if torch.is_tensor(scale) else (raw, scale)
+        coef = grad_scale = None
+        if self.takes_grad_scale:
+            if self.clip_grad_norm > 0:  # 1 / (min(1, clip / (norm + 1e-6)) / scale), clip_grad_norm_'s formula
+                grad_scale = ((raw + 1e-6 * scale) * (1 / self.clip_grad_norm)).clamp_(min=scale)
+            elif torch.is_tensor(scale) or scale != 1:
+                grad_scale = scale if torch.is_tensor(scale) else self._constant(scale)
+        elif self.clip_grad_norm > 0:
+            coef = ((raw + 1e-6 * scale).reciprocal_() * self.clip_grad_norm).clamp_(max=1 / scale)
+        elif torch.is_tensor(scale) or scale != 1:
+            coef = 1 / scale
+        applied: bool | StepApplied = True
+        if found_inf is not None:
+            if self.skips_on_device:
+                self.optimizer.found_inf = found_inf if found_inf.dtype == torch.float32 else found_inf.float()
+                applied = StepApplied(found_inf)
+            elif _read_flag(found_inf):
+                self.scaler.update(overflow=True)
+                self._skipped += 1
+                return False
+            else:
+                found_inf = None
+        if grad_scale is not None:  # the fused kernels read float32 scalars
+            self.optimizer.grad_scale = grad_scale if grad_scale.dtype == torch.float32 else grad_scale.float()
+        try:
+            for chunk in self._plan().chunks:
+                self._step_chunk(chunk, coef)
+        finally:
+            for key in ("grad_scale", "found_inf"):
+                self.optimizer.__dict__.pop(key, None)
+        self.scaler.update(overflow=found_inf if found_inf is not None else False)
+        if found_inf is not None:
+            self._skipped = self._skipped + found_inf
+        return applied
 
-    def _step_chunk(self, chunk: list[Master], coef: float) -> None:
-        """Update `chunk`'s masters: the torch optimizer skips parameters without a gradient."""
-        for m in chunk:
-            g = m.local(m.shard.grad)
-            if g.dtype != m.tensor.dtype:
-                g = g.to(m.tensor.dtype)
-            if coef != 1.0:
-                g.mul_(coef)
-            m.tensor.grad = g
+    def _constant(self, value: float) -> torch.Tensor:
+        """A device scalar of `value`, made once (a fixed divisor as a tensor for grad_scale)."""
+        if self._divisor is None or self._divisor[0] != value:
+            self._divisor = (value, torch.tensor(value, dtype=torch.float32, device=self._device()))
+        return self._divisor[1]
+
+    def _step_chunk(self, chunk: "_Chunk", coef: torch.Tensor | float | None) -> None:
+        """Update `chunk`'s masters (the torch optimizer skips parameters without a gradient):
+        gradients cast to the masters' dtype into one buffer and, unless the optimizer divides
+        them itself (grad_scale), multiplied by `coef`, in one foreach each."""
+        grads = chunk.grads
+        if chunk.cast:
+            grads = torch.empty(chunk.numel, dtype=self.master_dtype, device=self._device()).split(chunk.sizes)
+            torch._foreach_copy_(grads, chunk.grads)
+        if coef is not None:
+            torch._foreach_mul_(grads, coef)
+        for master, g in zip(chunk.masters, grads):
+            master.grad = g
         self.optimizer.step()
-        for m in chunk:
-            m.tensor.grad = None
-            if not self.share_master:
-                m.local(m.shard.param).copy_(m.tensor)
+        for master in chunk.masters:
+            master.grad = None
+        if chunk.params:
+            torch._foreach_copy_(chunk.params, chunk.masters)
+
+    def _plan(self) -> "_Plan":
+        """The tensors the step works on, as lists cut once (a view is an op too: cut per step,
+        they would make its launches grow with the bucket count). Built at the first step, after
+        the engine has bound every shard to its final storage."""
+        if self._step_plan is None:
+            self._step_plan = _Plan(
+                grads=[s.grad for s in self.shards if s.grad is not None and s.grad.numel()],
+                excluded=[shard.grad[piece.start - shard.lo:piece.end - shard.lo]
+                          for shard, piece in self.excluded_from_norm],
+                chunks=[_Chunk(masters=[m.tensor for m in chunk], grads=[m.local(m.shard.grad) for m in chunk],
+                               params=[] if self.share_master else [m.local(m.shard.param) for m in chunk],
+                               cast=any(m.shard.grad.dtype != self.master_dtype for m in chunk))
+                        for chunk in self.chunks])
+        return self._step_plan
+
+    def implementation(self) -> dict:
+        """The torch optimizer's class and implementation (fused / foreach / for-loop), as records keep it."""
+        defaults = self.optimizer.defaults
+        kind = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
+        return {"class": type(self.optimizer).__name__, "implementation": kind,
+                "skips_on_device": self.skips_on_device}
+
+    @property
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm (inf or nan when it was skipped; nan before the
+        first step and in a simulation): read from the device now."""
+        if self._grad_norm is None:
+            return float("nan")
+        return _read_value(self._grad_norm, float("nan")) / self._norm_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (fp16 overflow): read from the device now."""
+        return int(_read_value(self._skipped, 0)) if torch.is_tensor(self._skipped) else self._skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = value
 
     @torch.no_grad()
     def init_states(self) -> None:
@@ -256,15 +359,18 @@ class ShardedOptimizer:
         return flat
 
     def norm_bytes(self) -> int:
-        """The norm's all-reduce: two sums (global_grad_sumsq)."""
-        return 2 * self._norm_dtype().itemsize
+        """The norm's all-reduce: one sum, two under tensor parallelism (global_grad_sums)."""
+        return (2 if self.mp.size > 1 else 1) * self._norm_dtype().itemsize
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The fp32 masters (unless they are the model's own shard) and every optimizer state
-        tensor (ZeroEngine.state_tensors)."""
+        tensor; among the buffers, the step's device scalars: the last norm, the skipped-step
+        count, the dynamic loss scale (ZeroEngine.state_tensors)."""
         masters = [] if self.share_master else [m.tensor for m in self.masters]
         states = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        return {"optimizer_states": masters + states}
+        scalars = [t for t in (self._grad_norm, self._skipped, self._divisor and self._divisor[1]) if torch.is_tensor(t)]
+        scalars += self.scaler.state_tensors()
+        return {"optimizer_states": masters + states, "buffers": scalars}
 
     def state_elements_per_param(self) -> int:
         """Optimizer state tensors per parameter element (2 for Adam), once states exist."""
@@ -272,6 +378,64 @@ class ShardedOptimizer:
         states = sum(v.numel() for state in self.optimizer.state.values() for v in state.values()
                      if torch.is_tensor(v) and v.dim() > 0)
         return round(states / numel) if numel else 0
+
+
+class StepApplied:
+    """step()'s answer when the device made the decision: true unless the step was skipped.
+    Reading it (bool(), ==, printing, pickling) waits for the step: do it only when needed."""
+
+    __slots__ = ("_found_inf",)
+
+    def __init__(self, found_inf: torch.Tensor) -> None:
+        self._found_inf = found_inf
+
+    def __bool__(self) -> bool:
+        return not _read_flag(self._found_inf)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other if isinstance(other, (bool, StepApplied)) else NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+    def __reduce__(self):
+        return bool, (bool(self),)
+
+
+@dataclass
+class _Chunk:
+    """One update's tensors: masters, their gradients (reduce dtype) and model-precision params."""
+
+    masters: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    params: list[torch.Tensor]  # empty when the masters are the model's shard
+    cast: bool                  # gradients in another dtype than the masters: copied to a buffer
+
+    @property
+    def sizes(self) -> list[int]:
+        return [m.numel() for m in self.masters]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass
+class _Plan:
+    grads: list[torch.Tensor]     # every shard's gradient, for the norm
+    excluded: list[torch.Tensor]  # the TP duplicates' pieces
+    chunks: list[_Chunk]
+
+
+def _read_flag(t: torch.Tensor) -> bool:
+    """A device flag on the host (a sync); a simulation's fake tensor: False."""
+    return False if is_fake(t) else bool(t.item())
+
+
+def _read_value(t: torch.Tensor, default: float) -> float:
+    return default if is_fake(t) else t.item()
 
 
 def _states_loaded(ref: weakref.ref, optimizer: torch.optim.Optimizer) -> None:

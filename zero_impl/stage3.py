@@ -17,9 +17,12 @@ Schedule, as in PyTorch FSDP2 (`torch/distributed/fsdp/_fully_shard/`):
 - backward is over for a unit when every trainable parameter has its gradient (the reducer
   then reduce-scatters the unit's gradient into this rank's shard, grad_reducer.py) and the
   gradients of its inputs are computed (stage3_signals.py): the unit is released.
-At most `stage3_max_live_units` units are gathered at once (the root counts, since it encloses
-the whole forward); parameters of at most `stage3_param_persistence_threshold` elements form one
-persistent unit that stays gathered and is all-gathered once after each step.
+The root unit stays gathered from its forward to its backward (stage3_keep_root, as FSDP2 keeps
+its root: backward begins with it, so releasing it would gather it again at once), unless the
+forward ran without gradients. At most `stage3_max_live_units` units are gathered at once (the
+root counts, since it encloses the whole forward); parameters of at most
+`stage3_param_persistence_threshold` elements form one persistent unit that stays gathered and
+is all-gathered once after each step.
 """
 from __future__ import annotations
 
@@ -207,6 +210,8 @@ class Stage3Params:
         if torch.is_grad_enabled():
             for t in tensors(output, requiring_grad=True):
                 t.register_hook(WeakHook(self._pre_backward, index))
+            if unit is self.root and self.config.stage3_keep_root:
+                return output  # backward begins with the root: keep it, gathered, until then
         self.release(unit)
         return output
 
@@ -252,6 +257,9 @@ class Stage3Params:
             unit.inputs_pending = 0  # signals of graphs not backpropagated (a forward without backward)
         self.in_backward = False
 
+    def finish_gathers(self) -> None:
+        """Stages 1-2's lazily waited post-step gathers; stage 3 gathers its persistent unit in after_step."""
+
     def after_step(self, applied: bool) -> None:
         """The persistent unit holds full parameters: refresh them from the updated shards."""
         if applied and self.units[-1].persistent:
@@ -277,7 +285,12 @@ class Stage3Params:
         unit was needed ("on_demand"), each unit counted once per pass: "forward" counts all
         forwards since the last backward, "backward" the last backward, "total" every pass."""
         return {**{key: dict(counts) for key, counts in self.gathers.items()},
-                "peak_live_units": self.peak_live_units}
+                "peak_live_units": self.peak_live_units, "root_kept_elements": self.root_kept_elements()}
+
+    def root_kept_elements(self) -> int:
+        """Elements of the gather a step saves by keeping the root between forward and backward
+        (stage3_keep_root): the paper's 3Ψ less these."""
+        return self.root.numel if self.root is not None and self.config.stage3_keep_root else 0
 
     # -- accounting -------------------------------------------------------------------------
     def gathered_bytes(self) -> int:

@@ -91,10 +91,10 @@ def test_storage_scan_finds_stage2_parameters():
         assert r["large"] != []
 
 
-def _stats(world_steps: int, precision: str) -> dict:
+def _stats(world_steps: int, precision: str, keep_root: bool = True) -> dict:
     model = make_model()
-    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3, precision=precision), adamw,
-                                  param_groups(model))
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3, precision=precision, stage3_keep_root=keep_root),
+                                  adamw, param_groups(model))
     rank = dist.get_rank()
     for step in range(world_steps):
         tokens = global_batch(step, dist.get_world_size(), 1)[0, rank]
@@ -106,12 +106,14 @@ def _stats(world_steps: int, precision: str) -> dict:
             "largest_unit": max(b.numel for b in engine.params.buckets),
             "reduced": sum(b.numel for b in engine.params.buckets if any(s.param.requires_grad for s in b.slots)),
             "padding_bound": padding_bound(engine.params.buckets),
+            "root": engine.params.root.numel,
             "master_elements": sum(m.tensor.numel() for m in engine.sharded_optimizer.masters)}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_comm_is_3psi(world):
-    r = spawn(_stats, world, 2, "fp32", timeout=60)[0]
+    """The paper's schedule (every unit gathered for forward and again for backward)."""
+    r = spawn(_stats, world, 2, "fp32", False, timeout=60)[0]
     padded, psi = r["stats"]["padded_psi"], r["stats"]["psi"]
     purposes = r["stats"]["comm"]["last_step"]["by_purpose"]
     frozen = MODEL.seq_len * MODEL.hidden  # wpe: gathered like any parameter, never reduced
@@ -120,6 +122,18 @@ def test_comm_is_3psi(world):
     # One reduce-scatter per unit's trainable bucket: the frozen wpe's bucket is never reduced.
     assert purposes["grads"]["elements"] == r["reduced"] <= padded - frozen
     assert purposes["norm"]["elements"] <= 8
+
+
+def test_keeping_the_root_saves_its_second_gather():
+    """stage3_keep_root (the default): the root stays gathered from forward to backward, so a
+    step gathers everything once and all but the root again; gradients are reduced as before."""
+    kept, paper = (spawn(_stats, 2, 2, "fp32", flag, timeout=60)[0] for flag in (True, False))
+    params = [r["stats"]["comm"]["last_step"]["by_purpose"]["params"]["elements"] for r in (kept, paper)]
+    assert params[0] == params[1] - kept["root"] == 2 * kept["stats"]["padded_psi"] - kept["root"]
+    assert kept["stats"]["stage3"]["root_kept_elements"] == kept["root"] > 0
+    assert paper["stats"]["stage3"]["root_kept_elements"] == 0
+    assert [r["stats"]["comm"]["last_step"]["by_purpose"]["grads"] for r in (kept, paper)][0] == \
+        paper["stats"]["comm"]["last_step"]["by_purpose"]["grads"]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

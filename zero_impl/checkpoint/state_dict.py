@@ -276,6 +276,7 @@ def load_state_dict(engine, sd: dict[str, Any]) -> None:
         if torch.is_tensor(src) and src is not buf:
             buf.copy_(src)
     engine.params.after_step(True)  # every rank's loaded shard to every rank (stages 1-2)
+    engine.params.finish_gathers()
     accum = engine.config.grad_accum_steps  # saved at a step boundary: keep it one under another accum
     engine.steps, so.skipped_steps = meta["steps"], meta["skipped_steps"]
     engine.micro_steps = meta["micro_steps"] if meta["micro_steps"] % accum == 0 else meta["steps"] * accum
