@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test test-matrix run bench calibrate gpu-check reference reference-plans compare clean
+.PHONY: setup test test-timing test-matrix run bench proxies calibrate gpu-check reference reference-plans compare clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	ZERO_REPRO_INSTALL_SLURM=$(INSTALL_SLURM) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# make test, timed by tier into results/reference/reports/test_suite.md, which README.md pastes
+# (run it on an idle 2-core machine, as CI's).
+test-timing: $(STAMP)
+	ZERO_REPRO_TIMING=results/reference/reports/test_suite.md $(MAKE) test INSTALL_SLURM=$(INSTALL_SLURM)
+
 # The numerical tests under every CPU kernel family and thread count this CPU allows
 # (a verdict must not depend on which CPU runs it): the tests marked numerical; CPU_CAPS/THREADS narrow it.
 CPU_CAPS  ?= default avx2 $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
@@ -37,6 +42,11 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench_engine
+
+# What each system's step would cost a GPU, counted on CPU (kernels, host syncs, collectives, bytes),
+# priced on dgx2_v100 and dgx_h100: results/reference/bench/proxies.md (docs/benchmark.md)
+proxies: $(STAMP)
+	$(BIN)/python -m experiments.bench_proxies
 
 # This machine's profile for the step-time model (GEMMs, bandwidth, op floor, gloo; under 2 minutes):
 # results/calibration/<hostname>.yaml, generated and ignored by git; report.py's prediction check uses it.

@@ -6,6 +6,9 @@ tests/zero_impl/ and tests/experiments/ import `helpers` and `slurm_harness` fro
 """
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -27,3 +30,34 @@ def compose_sweep(*overrides: str) -> DictConfig:
 @pytest.fixture
 def compose() -> Callable[..., DictConfig]:
     return compose_sweep
+
+
+# `make test-timing`: the suite's duration by tier, written where README.md pastes it from
+# (ZERO_REPRO_TIMING=<file.md>; a plain `make test` writes nothing).
+TIERS = (("every test", None), ("marked slow", "slow"), ("marked slurm (a real Slurm)", "slurm"),
+         ("marked numerical", "numerical"))
+_timing: dict = {"began": None, "tests": []}
+
+
+def pytest_sessionstart(session) -> None:
+    _timing["began"] = time.monotonic()
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        _timing["tests"].append((set(report.keywords), report.outcome, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    path = os.environ.get("ZERO_REPRO_TIMING")
+    if not path or _timing["began"] is None:
+        return
+    wall = time.monotonic() - _timing["began"]
+    workers = getattr(terminalreporter.config.option, "numprocesses", None) or 1
+    lines = ["| tier | tests | passed | skipped | their time, summed (min) |", "|---|---|---|---|---|"]
+    for name, marker in TIERS:
+        chosen = [t for t in _timing["tests"] if marker is None or marker in t[0]]
+        lines.append(f"| {name} | {len(chosen)} | {sum(t[1] == 'passed' for t in chosen)} "
+                     f"| {sum(t[1] == 'skipped' for t in chosen)} | {sum(t[2] for t in chosen) / 60:.1f} |")
+    lines.append(f"| wall clock, {workers} workers, {os.cpu_count()} cores | | | | {wall / 60:.1f} |")
+    Path(path).write_text("\n".join(lines) + "\n")
