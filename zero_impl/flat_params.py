@@ -209,5 +209,10 @@ class FlatParamBuffer:
         self.handles = []
         if gather:
             self.finish_gathers()
+        else:  # after an error: wait for what every rank issued, issue nothing more
+            for _, work in self._inflight:
+                work.wait()
+            self._inflight.clear()
+            self._held_back.clear()
         for s in self.slots:
             s.param.data = s.param.data.clone()
