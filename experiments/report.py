@@ -51,7 +51,8 @@ def record_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
              "memory": tables.memory_table(records), "communication": tables.comm_table(records),
              "simulation": tables.simulation_table(records), "largest": tables.largest_table(records)}
     if zero_r.fig7_records(records):  # Figure 7's tables where its points were simulated
-        built.update(fig7_memory=zero_r.fig7_table(records), fig7_statements=zero_r.fig7_statements(records))
+        built.update(fig7_memory=zero_r.fig7_table(records), fig7_statements=zero_r.fig7_statements(records),
+                     fig7_md=zero_r.md_effect(records))  # MD on beside off, allocated and reserved
     return built
 
 

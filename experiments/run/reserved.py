@@ -7,7 +7,9 @@ of the point's cluster.
   the allocator frees its cache and retries (counted), and then runs out of memory;
 - the options: PYTORCH_CUDA_ALLOC_CONF, read from this process's environment as a GPU run of the
   same command reads it (torch 2.13's defaults when unset); the same log is replayed once more
-  with expandable_segments:True added, so a plan can say when that is what makes a point fit;
+  with expandable_segments:True added, so a plan can say when that is what makes a point fit,
+  and once on an unbounded device (`unbounded`): the cache's high-water mark with no memory
+  pressure, which no retry caps, so two configurations near the device's size still compare;
 - cuBLAS's workspace, one per stream through the allocator (CublasHandlePool.cpp
   parseChosenWorkspaceSize): ':4096:2:16:8', 2 x 4096 + 8 x 16 KiB, before Hopper; 4096 x 8 KiB
   (32 MiB) on Hopper and Blackwell.
@@ -68,6 +70,7 @@ def reserved_memory(point: Point, events: list[Event], config: AllocatorConfig |
            "rounded_peak_bytes": main.rounded_peak_bytes, "events": main.events,
            "capacity_bytes": capacity, "cublas_workspace_bytes": cublas_workspace_bytes(point),
            "allocator": main.config, "oom_request_bytes": main.oom_request_bytes}
+    out["unbounded"] = _summary(replay(events, config, None)) if capacity is not None else _summary(main)
     if config.expandable_segments:
         out["expandable"] = _summary(main)
     else:

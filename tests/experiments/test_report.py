@@ -211,7 +211,8 @@ def _fig7_record(model: str, config: str, peak_gb: float) -> dict:
     kinds = {"params": 1e9, "grads": 1e9, "optimizer_states": 4e9, "activations": peak_gb * 1e9 - 6e9}
     return {"experiment": "fig7", "measured_by": "simulated", "model": {"name": model}, "params": 4e10,
             "zero_r_config": config, "micro_batch": 16, "status": "ok",
-            "memory": {"peak_bytes": peak_gb * 1e9, "peak_by_kind": kinds, "peak_phase": "backward"}}
+            "memory": {"peak_bytes": peak_gb * 1e9, "reserved_peak_bytes": peak_gb * 1.25e9,  # the replay's cached peak
+                       "peak_by_kind": kinds, "peak_phase": "backward"}}
 
 
 def test_fig7_checks_each_relation_the_paper_states():
@@ -236,8 +237,10 @@ def test_fig7_tables_are_written_where_its_points_were_simulated(records):
     assert "fig7_memory" not in build_tables(records)  # no Figure 7 records: no empty tables
     figure7 = load_records(REPO / "results" / "reference" / "runs", "fig7")
     built = build_tables(records + figure7)
-    assert len(built["fig7_memory"]) == len(zero_r.fig7_records(figure7)) == 7
-    assert list(built["fig7_statements"].agrees) == [True, None, False, True]  # docs/zero_r.md, Figure 7
+    assert len(built["fig7_memory"]) == len(zero_r.fig7_records(figure7)) == 14  # C1-C5 and 100B's C4-C5, MD on and off
+    # docs/zero_r.md, Figure 7: on cached memory on a 32 GB V100 (100B's C4 and C5 both fill the device)
+    assert list(built["fig7_statements"].agrees) == [True, None, False, False]
+    assert list(built["fig7_statements"].agrees_unbounded) == [True, None, False, True]
 
 
 def test_table2_reports_each_baseline_with_its_optimizer_step():

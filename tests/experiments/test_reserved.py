@@ -66,6 +66,7 @@ def test_replayed_log_has_the_trackers_peak(stage):
     assert res["rounded_peak_bytes"] == peak
     assert res["reserved_peak_bytes"] >= res["allocated_peak_bytes"] >= peak
     assert res["capacity_bytes"] is None and res["oom"] is False
+    assert res["unbounded"]["reserved_peak_bytes"] == res["reserved_peak_bytes"]  # no device: one and the same
 
 
 def test_fits_is_decided_on_reserved_bytes():
@@ -93,6 +94,7 @@ def test_13b_zero2_on_128_v100s_reports_reserved_and_fragmentation(capsys):
     mem = simulated_records.simulated_record(point, precision, result, None, "now")["memory"]
     assert mem["reserved_peak_bytes"] >= mem["allocated_peak_bytes"] >= mem["peak_bytes"] > 20e9
     assert 0 <= mem["fragmentation"] < 0.5 and mem["decided_on"] == "reserved"
+    assert mem["allocator"]["unbounded"]["reserved_peak_bytes"] >= mem["reserved_peak_bytes"]  # no retry caps it
     assert mem["allocator"]["allocator"]["PYTORCH_CUDA_ALLOC_CONF"] == ""  # torch's defaults, recorded
     assert mem["allocator"]["cublas_workspace_bytes"] == CUBLAS_WORKSPACE_BYTES
     with capsys.disabled():
