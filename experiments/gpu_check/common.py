@@ -68,12 +68,14 @@ def dp_traffic(stats: dict, stage: int) -> tuple[float, bool]:
     """The last step's data-parallel traffic in units of Ψ (this rank's parameters), from an
     engine's stats: the elements handed to the gradient and parameter collectives (the norm's
     scalars and Pa's gathers left out), and whether it is the paper's 2Ψ (stages 0-2) or 3Ψ
-    (stage 3) up to the padding of the flat buffers. Zero when no collective ran."""
+    (stage 3, less the root's second gather that stage3_keep_root saves) up to the padding of
+    the flat buffers. Zero when no collective ran."""
     by_purpose = stats["comm"]["last_step"]["by_purpose"]
     elements = sum(by_purpose.get(p, {}).get("elements", 0) for p in ("grads", "params"))
     k, padding = (3 if stage == 3 else 2), stats["padded_psi"] / stats["psi"]
     ratio = elements / stats["psi"]
-    return ratio, k <= ratio <= k * padding * (1 + 1e-9)
+    kept = stats.get("stage3", {}).get("root_kept_elements", 0)  # counted back in, in whole elements
+    return ratio, k <= (elements + kept) / stats["psi"] <= k * padding * (1 + 1e-9)
 
 
 def verdict(*checks: bool) -> str:
