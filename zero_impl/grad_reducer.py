@@ -275,6 +275,8 @@ class BucketedGradReducer:
         for work, *_buffers in self.inflight:
             if work is not None:
                 work.wait()
+        if self.side is not None:  # what the side stream still has queued on the gradient buffers
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
         self.inflight.clear()
         self.staging.clear()
         self.reducing = False
