@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --constraint constraints.txt --editable '.[test]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-# INSTALL_SLURM=1 lets the real-Slurm tests install Debian's slurm-wlm and munge when missing
-# (root and apt-get; .ci/run sets it); without it they use a Slurm already there, or skip saying why.
+# INSTALL_SLURM=1 runs the real-Slurm tests too (root: they start their own Slurm daemons, and install
+# Debian's slurm-wlm and munge when missing; .ci/run sets it); without it they skip, saying why.
 INSTALL_SLURM ?=
 # Two pytest workers, a test file each at a time (files share module fixtures, such as the Slurm cluster).
 TEST_WORKERS ?= 2
@@ -76,7 +76,7 @@ reference: $(STAMP)
 
 # docs/plan.md's worked example: the plans of a 7B GPT on one 8-GPU node (V100 32 GB, H100 80 GB),
 # whole, at TP 1 with recomputation (each stage's micro-batches, all simulated), and under the
-# seed's DeepSpeed ZeRO-2 JSON (about 8 minutes on 2 cores).
+# DeepSpeed ZeRO-2 JSON conf/deepspeed/zero2_fp16.json (about 8 minutes on 2 cores).
 PLAN := $(BIN)/python experiments/plan.py model=gpt_7b gpus=8 results_dir=results/reference/plans
 reference-plans: $(STAMP)
 	rm -rf results/reference/plans

@@ -136,4 +136,4 @@ def one_line(error: BaseException) -> str:
             kept[-1] += (" " if kept[-1].endswith(":") else ", ") + line
         else:
             kept.append(line)
-    return "; ".join(dict.fromkeys(kept)) or type(error).__name__
+    return "; ".join(line.rstrip(".") for line in dict.fromkeys(kept)) or type(error).__name__

@@ -14,16 +14,29 @@ import sys
 from pathlib import Path
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _from_here(path: Path) -> str:
+    """A path as a pasted command in the current folder needs it: relative under it, else absolute."""
+    path = Path(os.path.abspath(path))
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def _spelled(tool: str) -> str:
     here = Path(sys.executable).parent  # the venv's bin/ (unresolved: its python is a symlink)
     found = shutil.which(tool)
     if found and Path(os.path.abspath(found)).parent == Path(os.path.abspath(here)):
         return tool
-    path = Path(os.path.abspath(here / tool))
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+    return _from_here(here / tool)
+
+
+def script(name: str) -> str:
+    """The repository's experiments/<name> (or slurm/<name>) as a command run from here names it."""
+    return _from_here(REPO / name)
 
 
 def python_command() -> str:
@@ -37,14 +50,15 @@ def torchrun_command(nproc_per_node: int) -> str:
 
 
 def train_command(overrides: str, gpus: int, gpus_per_node: int) -> str:
-    """experiments/train.py for one point, with the launcher it needs on one node: none for one
-    rank, torchrun for a node's worth; a job of several nodes goes through sbatch (srun)."""
-    script = "experiments/train.py"
+    """experiments/train.py for one point, with the launcher it needs: none for one rank,
+    torchrun for a node's worth; for several nodes slurm/launch.sh, which starts a torchrun per
+    node of the Slurm allocation it runs in (sbatch slurm/run_point.sh makes one)."""
+    train = script("experiments/train.py")
     if gpus <= 1:
-        return f"{python_command()} {script} {overrides}"
+        return f"{python_command()} {train} {overrides}"
     if gpus <= gpus_per_node:
-        return f"{torchrun_command(gpus)} {script} {overrides}"
-    return f"srun {python_command()} {script} {overrides}   # inside an allocation of {gpus} GPUs"
+        return f"{torchrun_command(gpus)} {train} {overrides}"
+    return f"{script('slurm/launch.sh')} {overrides}   # inside a Slurm allocation of {gpus // gpus_per_node} nodes"
 
 
 def quoted(words: list[str]) -> str:

@@ -513,3 +513,17 @@ def point_from_train_config(cfg: DictConfig) -> Point:
         "model": cfg.model, "train": cfg.train, "zero": cfg.zero, "cluster": cfg.cluster, "launcher": "torchrun",
         "deepspeed_config": deepspeed, **given})
     return expand(sweep_like)[0]
+
+
+def simulated_precision(point: Point) -> str:
+    """The precision the point's cluster would train in: "auto" is what `resolve_precision`
+    picks on that cluster's GPUs (fp16 on V100, which lacks bf16; bf16 on newer GPUs), or on
+    this machine for the local cluster."""
+    precision = point.train["precision"]
+    if precision != "auto":
+        return precision
+    cluster = point.cluster
+    if cluster.get("device_memory_gb") is None:  # local: what a real run here would use
+        return resolve_precision(precision)
+    text = f"{cluster.get('name', '')} {cluster.get('description', '')}".lower()
+    return "fp16" if "v100" in text else "bf16"

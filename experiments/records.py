@@ -68,9 +68,13 @@ def write_record(path: Path, record: dict) -> None:
     # from the rest of a team on a shared cluster file system)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=1, default=_jsonable)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1, default=_jsonable)
+        os.replace(tmp, path)
+    except BaseException:  # nothing half-written left beside the records
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _jsonable(value: Any):

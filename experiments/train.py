@@ -22,9 +22,9 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.cli import exit_on_interrupt, preflight_or_exit
-from experiments.commands import python_command, quoted, torchrun_command
-from experiments.points import (ConfigError, check_simulate_rank, cpu_normal_draws_per_s, launch_plan,
-                                point_from_train_config)
+from experiments.commands import python_command, quoted, script, train_command
+from experiments.points import (ConfigError, Point, check_runnable_here, check_simulate_rank, cpu_normal_draws_per_s,
+                                launch_plan, point_from_train_config)
 from experiments.schema import register
 
 register()
@@ -42,15 +42,14 @@ def simulate(cfg: DictConfig) -> int:
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-@exit_on_interrupt("rank 0's record says where the run stopped")
+@exit_on_interrupt("this run wrote no record (one with checkpoints resumes with train.resume=true)")
 def main(cfg: DictConfig) -> None:
     # imported once the preflight has passed: a bad command line is refused without megatron-core
     from experiments.run.real import run_as_rank
     from experiments.sweeps.summary import point_summary_line
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)  # a plain `python experiments/train.py gpus=1` is a world of one,
-    if "MASTER_PORT" not in os.environ:  # on a port no other run holds
-        os.environ["MASTER_PORT"] = str(free_port())
+    if "WORLD_SIZE" not in os.environ:  # a plain `python experiments/train.py gpus=1`: a world of one,
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",  # on a port no other run holds
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     try:
         if cfg.simulate:
             sys.exit(simulate(cfg))
@@ -70,7 +69,7 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
     elif os.environ.get("ZERO_REPRO_CHECK_ONLY") == "1":  # slurm/launch.sh's check, once per job: its plan
         print(launch_plan(point, cpu_normal_draws_per_s()))
     else:
-        check_launcher_world(point.gpus, sys.argv[1:])
+        check_launcher_world(point, sys.argv[1:])
 
 
 def free_port() -> int:
@@ -80,19 +79,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_launcher_world(gpus: int, argv: list[str]) -> None:
-    """A point of `gpus` ranks needs a launcher that starts as many (torchrun, srun); a plain
-    `python experiments/train.py gpus=2` is a world of one. Say how to start it instead."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def check_launcher_world(point: Point, argv: list[str]) -> None:
+    """A point of N ranks needs a launcher that starts as many (torchrun on a node, slurm/launch.sh
+    across nodes); a plain `python experiments/train.py gpus=2` is a world of one. Say how to start
+    it instead: the launcher its cluster's nodes need, the sweep where this machine can run it, or
+    one rank simulated."""
+    gpus, world = point.gpus, int(os.environ.get("WORLD_SIZE", "1"))
     if world == gpus:
         return
     if "WORLD_SIZE" in os.environ:
         raise ConfigError(f"gpus={gpus} but the launcher started {world} ranks; give gpus={world} "
                           f"or start {gpus} ranks")
-    raise ConfigError(f"gpus={gpus} needs {gpus} ranks and this is one process: run "
-                      f"`{torchrun_command(gpus)} experiments/train.py {quoted(argv)}`, or "
-                      f"`{python_command()} experiments/sweep.py {quoted(argv)}` (starts the ranks itself), "
-                      f"or add simulate=true (one rank of the {gpus} on fake tensors)")
+    ways = [f"`{train_command(quoted(argv), gpus, point.cluster.get('gpus_per_node') or gpus)}`"]
+    try:
+        check_runnable_here([point])
+        ways.append(f"`{python_command()} {script('experiments/sweep.py')} {quoted(argv)}` (starts the ranks itself)")
+    except ConfigError:
+        pass
+    raise ConfigError(f"gpus={gpus} needs {gpus} ranks and this is one process: run " + ", or ".join(ways)
+                      + f", or add simulate=true (one rank of the {gpus} on fake tensors)")
 
 
 if __name__ == "__main__":

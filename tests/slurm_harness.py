@@ -1,8 +1,9 @@
 """A real one-node Slurm cluster on this machine, for the tests of slurm/ and the submitit launcher.
 
-The tests use a Slurm already on this machine. They install Debian's `slurm-wlm` and `munge`
-only when asked (`ZERO_REPRO_INSTALL_SLURM=1`, which `make test INSTALL_SLURM=1` and `.ci/run`
-set); otherwise, and where installing is impossible, they skip and say why. A slurm.conf in a temporary folder describes this host as the only
+The tests run only when asked (`ZERO_REPRO_INSTALL_SLURM=1`, which `make test INSTALL_SLURM=1`
+and `.ci/run` set), as root, installing Debian's `slurm-wlm` and `munge` when missing; otherwise
+they skip and say why (they start daemons of their own, which a machine with a Slurm must not
+get). A slurm.conf in a temporary folder describes this host as the only
 node; `munged`, `slurmctld` and `slurmd` are started, and the cluster is ready when `sinfo`
 shows the node idle. `stop()` ends the daemons.
 """
@@ -23,14 +24,20 @@ INSTALL_VARIABLE = "ZERO_REPRO_INSTALL_SLURM"
 
 
 def ensure_installed() -> str | None:
-    """Install Slurm and munge if missing and asked to; return why Slurm is not there, or None."""
+    """Why the real-Slurm tests cannot run here, or None once Slurm and munge are installed.
+
+    They run only when asked (ZERO_REPRO_INSTALL_SLURM=1): they start their own munged,
+    slurmctld and slurmd as root on Slurm's standard ports and end stray slurmstepd processes,
+    which a machine with a Slurm of its own (a login or compute node) must never get."""
+    if os.environ.get(INSTALL_VARIABLE) != "1":
+        return (f"the real-Slurm tests start their own Slurm daemons as root; `make test INSTALL_SLURM=1` "
+                f"(or {INSTALL_VARIABLE}=1) runs them, installing Debian's {' and '.join(PACKAGES)} if missing")
+    if os.geteuid() != 0:
+        return "the real-Slurm tests start Slurm's daemons, which needs root"
     if all(shutil.which(tool) for tool in ("sbatch", "slurmctld", "slurmd", "munged")):
         return None
-    if os.environ.get(INSTALL_VARIABLE) != "1":
-        return (f"Slurm is not installed; `make test INSTALL_SLURM=1` (or {INSTALL_VARIABLE}=1) installs "
-                f"Debian's {' and '.join(PACKAGES)} for these tests")
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return "Slurm is not installed, and installing it needs root and apt-get"
+    if not shutil.which("apt-get"):
+        return "Slurm is not installed, and installing it needs apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for command in (["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
                     ["apt-get", "update", "-q"],

@@ -2,6 +2,7 @@
 a checkpoint (zero_impl.checkpoint.save) as the bare model's state_dict() in fp32, in one process."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,8 +33,11 @@ def _check_paths(checkpoint: Path, out: Path) -> str | None:
                 + (f"its newest is {newest}" if newest else "give the folder zero_impl.checkpoint.save wrote"))
     if out.is_dir():
         return f"OUT.pt {out} is a folder: give a file name"
-    if not out.resolve().parent.is_dir():
-        return f"OUT.pt {out}: its folder {out.resolve().parent} does not exist"
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        return f"OUT.pt {out}: {folder} " + ("is a file" if folder.exists() else "does not exist")
+    if not os.access(folder, os.W_OK):
+        return f"OUT.pt {out}: {folder} is not writable here"
     return None
 
 

@@ -53,7 +53,7 @@ import zero_impl
 from experiments import records
 from experiments.launch import run_in_child
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
-from experiments.points import Point, check_simulate_rank, resolve_precision
+from experiments.points import Point, check_simulate_rank, simulated_precision
 from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
 from experiments.run.collective_counter import CollectiveCounter
 from experiments.run.nccl_list_buffers import NcclListBuffers
@@ -65,20 +65,6 @@ SIM_STEPS = 2  # optimizer steps: the first creates the optimizer states, the se
 
 
 # -- precision --------------------------------------------------------------------------------
-def simulated_precision(point: Point) -> str:
-    """The precision the point's cluster would train in: "auto" is what `resolve_precision`
-    picks on that cluster's GPUs (fp16 on V100, which lacks bf16; bf16 on newer GPUs), or on
-    this machine for the local cluster."""
-    precision = point.train["precision"]
-    if precision != "auto":
-        return precision
-    cluster = point.cluster
-    if cluster.get("device_memory_gb") is None:  # local: what a real run here would use
-        return resolve_precision(precision)
-    text = f"{cluster.get('name', '')} {cluster.get('description', '')}".lower()
-    return "fp16" if "v100" in text else "bf16"
-
-
 def is_gpu_cluster(point: Point) -> bool:
     return point.cluster.get("device_memory_gb") is not None
 

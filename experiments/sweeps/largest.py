@@ -36,9 +36,8 @@ import pandas as pd
 from experiments import records
 from experiments.launch import ChildPool
 from experiments.models.gpt_shape import parameter_count
-from experiments.points import Point, predicted_memory_bytes
-from experiments.points import check_simulate_rank
-from experiments.run.fake import is_gpu_cluster, simulate_point, simulated_precision
+from experiments.points import Point, check_simulate_rank, predicted_memory_bytes, simulated_precision
+from experiments.run.fake import is_gpu_cluster, simulate_point
 from experiments.run.record import simulated_path, simulated_record, verdict
 from experiments.sweeps.summary import largest_markdown
 from zero_impl import zero_r_config

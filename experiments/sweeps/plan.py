@@ -49,11 +49,10 @@ from experiments.models.gpt_shape import parameter_count
 from experiments.analysis.hardware import load_cluster
 from experiments.commands import python_command, train_command
 from experiments.launch import default_workers
-from experiments.points import CONF_DIR, ConfigError, Point, available_models, expand, load_model, predicted_memory_bytes
-from experiments.run.fake import simulated_precision
+from experiments.points import (CONF_DIR, ConfigError, Point, available_models, expand, load_model, predicted_memory_bytes,
+                                simulated_precision)
 from experiments.run.record import verdict
 from experiments.schema import ClusterConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
-from experiments.sweeps.simulated import done_record, run_simulated
 from zero_impl import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
 
 ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytically: the analytic model's error
@@ -294,6 +293,7 @@ def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_
             workers: int, rank: int = 0, progress=None) -> int:
     """Simulate the fastest candidates worth it until `wanted` fit (module docstring, 3.); an
     existing simulated record of the same point is reused. Returns the simulations run."""
+    from experiments.sweeps.simulated import done_record, run_simulated  # after the preflight: megatron-core
     ran = 0
     while True:
         queue = [c for c in sorted(candidates, key=lambda c: -c.speed) if c.worth_simulating]
@@ -511,15 +511,15 @@ class ProgressBar:
 
 
 SEARCH_KEYS = ("global_batch", "stages", "tps", "micro_batches", "recompute", "system", "device_memory_gb",
-               "gpus_per_node")
+               "gpus_per_node", "confirm", "max_simulations")
 
 
 def plan_name(cfg: DictConfig, cluster_name: str, base_model: str | None) -> str:
     """The plan's folder when name= is not given: <model>-<cluster>-g<gpus>, then whatever else
     sets this plan apart, so that two different plans never share a folder: a custom shape
     (-l<layers>-h<hidden>-a<heads>-s<seq_len>), each search key off its default (-tps1,
-    -recomputetrue), a DeepSpeed JSON (-ds_<file stem>), and a hash of any train./zero./cluster.
-    value off its default."""
+    -recomputetrue, -confirm6), a DeepSpeed JSON (-ds_<file stem>_<hash of its contents>), and a
+    hash of any train./zero./cluster. value off its default."""
     model = OmegaConf.to_container(cfg.model)
     parts = [model["name"]]
     base = load_model(base_model) if base_model in available_models() else None
@@ -534,8 +534,10 @@ def plan_name(cfg: DictConfig, cluster_name: str, base_model: str | None) -> str
         if value != default:
             text = "_".join(map(str, value)) if isinstance(value, list) else str(value)
             parts.append(re.sub(r"[^A-Za-z0-9_.]", "", f"{key}{text}".lower()))
-    if cfg.deepspeed_config:
-        parts.append(f"ds_{Path(cfg.deepspeed_config).stem}")
+    if cfg.deepspeed_config:  # its name, and its contents: two JSONs of one name are two plans
+        json_file = Path(cfg.deepspeed_config)
+        contents = json_file.read_bytes() if json_file.is_file() else b""
+        parts.append(f"ds_{json_file.stem}_{hashlib.sha1(contents).hexdigest()[:6]}")
     changed = {group: {k: v for k, v in OmegaConf.to_container(cfg[group]).items()
                        if v != OmegaConf.to_container(defaults[group]).get(k)}
                for group in ("train", "zero")}

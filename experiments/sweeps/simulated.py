@@ -9,9 +9,8 @@ from pathlib import Path
 
 from experiments import records
 from experiments.launch import ChildPool
-from experiments.points import Point
-from experiments.points import check_simulate_rank
-from experiments.run.fake import is_gpu_cluster, simulate_point, simulated_precision
+from experiments.points import Point, check_simulate_rank, simulated_precision
+from experiments.run.fake import is_gpu_cluster, simulate_point
 from experiments.run.record import simulated_path, simulated_record
 from experiments.run.reserved import alloc_conf_from_env
 from experiments.sweeps.summary import simulated_summary_markdown, simulated_summary_rows, write_summary_csv

@@ -33,24 +33,36 @@ def test_printed_python_is_the_running_interpreter(monkeypatch, tmp_path):
     assert commands.python_command() == str(bin_dir / "python")
 
 
-def test_train_command_uses_the_launcher_the_point_needs(monkeypatch):
+def test_train_command_uses_the_launcher_the_point_needs(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    monkeypatch.chdir(commands.REPO)
     assert commands.train_command("gpus=1", 1, 8) == "python experiments/train.py gpus=1"
     assert commands.train_command("gpus=8", 8, 8) == "torchrun --nproc-per-node=8 experiments/train.py gpus=8"
-    assert commands.train_command("gpus=16", 16, 8).startswith("srun python experiments/train.py gpus=16")
+    # several nodes: slurm/launch.sh starts a torchrun per node of the allocation (srun alone sets no RANK)
+    assert commands.train_command("gpus=16", 16, 8).startswith("slurm/launch.sh gpus=16   # inside a Slurm allocation of 2")
+    monkeypatch.chdir(tmp_path)  # elsewhere, the scripts by their absolute paths
+    assert commands.train_command("gpus=1", 1, 8) == f"python {commands.REPO / 'experiments' / 'train.py'} gpus=1"
 
 
-def test_a_plain_python_run_of_several_ranks_says_how_to_start_them(monkeypatch):
+def test_a_plain_python_run_of_several_ranks_says_how_to_start_them(compose, monkeypatch):
+    from experiments.points import expand
     from experiments.train import check_launcher_world
+    monkeypatch.chdir(commands.REPO)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    check_launcher_world(1, ["gpus=1"])
+    [one], [two] = expand(compose("model=tiny_s", "gpus=[1]", "stage=2")), expand(compose("model=tiny_s", "gpus=[2]", "stage=2"))
+    check_launcher_world(one, ["gpus=1"])
     with pytest.raises(ConfigError) as e:
-        check_launcher_world(2, ["model=tiny_s", "gpus=2"])
+        check_launcher_world(two, ["model=tiny_s", "gpus=2"])
     assert "--nproc-per-node=2 experiments/train.py model=tiny_s gpus=2" in str(e.value)
+    assert "experiments/sweep.py model=tiny_s gpus=2" in str(e.value)  # this machine runs 2 CPU ranks
     assert "simulate=true" in str(e.value) and "\n" not in str(e.value)
+    [big] = expand(compose("model=tiny_s", "gpus=[16]", "stage=2", "cluster=dgx_h100", "dry_run=true"))
+    with pytest.raises(ConfigError) as e:
+        check_launcher_world(big, ["model=tiny_s", "gpus=16", "cluster=dgx_h100"])
+    assert "slurm/launch.sh model=tiny_s gpus=16" in str(e.value) and "sweep.py" not in str(e.value)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="launcher started 4 ranks"):
-        check_launcher_world(2, ["gpus=2"])
+        check_launcher_world(two, ["gpus=2"])
 
 
 def test_summary_csv_covers_every_record_in_its_folder(compose, tmp_path):
@@ -114,21 +126,28 @@ def test_every_different_plan_has_its_own_folder():
     assert names[0] == "gpt_7b-dgx2_v100-g8"  # the unrestricted plan keeps its documented name
     assert len(set(names)) == len(names)
     assert names[1] == "gpt_7b-dgx2_v100-g8-tps1-recomputetrue"
-    assert names[2].endswith("-ds_zero2_fp16") and "l40-h5120-a40" in names[3]
+    assert "-ds_zero2_fp16_" in names[2] and "l40-h5120-a40" in names[3]
 
 
-def test_the_slurm_tests_install_nothing_unless_asked(monkeypatch):
+@pytest.mark.parametrize("installed", [False, True])
+def test_the_slurm_tests_touch_nothing_unless_asked(monkeypatch, installed):
+    """Unasked they skip, whether Slurm is missing or a Slurm of the machine's own is there (its
+    daemons must not meet the harness's); asked, as root, they install what is missing."""
     import slurm_harness
-    monkeypatch.setattr(slurm_harness.shutil, "which", lambda tool: "/usr/bin/apt-get" if tool == "apt-get" else None)
+    monkeypatch.setattr(slurm_harness.shutil, "which",
+                        lambda tool: f"/usr/bin/{tool}" if installed or tool == "apt-get" else None)
     ran = []
-    monkeypatch.setattr(slurm_harness.subprocess, "run", lambda *a, **k: ran.append(a) or subprocess.CompletedProcess(a, 1, "", "no network"))
-    monkeypatch.delenv(slurm_harness.INSTALL_VARIABLE, raising=False)
-    why = slurm_harness.ensure_installed()
-    assert "INSTALL_SLURM=1" in why and ran == []
-    monkeypatch.setenv(slurm_harness.INSTALL_VARIABLE, "1")
+    monkeypatch.setattr(slurm_harness.subprocess, "run",
+                        lambda *a, **k: ran.append(a) or subprocess.CompletedProcess(a, 1, "", "no network"))
     monkeypatch.setattr(slurm_harness.os, "geteuid", lambda: 0)
-    slurm_harness.ensure_installed()
-    assert ran and ran[0][0][0] == "apt-get"
+    monkeypatch.delenv(slurm_harness.INSTALL_VARIABLE, raising=False)
+    assert "INSTALL_SLURM=1" in slurm_harness.ensure_installed() and ran == []
+    monkeypatch.setenv(slurm_harness.INSTALL_VARIABLE, "1")
+    monkeypatch.setattr(slurm_harness.os, "geteuid", lambda: 1000)
+    assert "root" in slurm_harness.ensure_installed() and ran == []
+    monkeypatch.setattr(slurm_harness.os, "geteuid", lambda: 0)
+    assert (slurm_harness.ensure_installed() is None) == installed
+    assert bool(ran) != installed and (installed or ran[0][0][0] == "apt-get")
 
 
 def preflight_error(config_name: str, *argv: str) -> str:
@@ -140,7 +159,8 @@ def preflight_error(config_name: str, *argv: str) -> str:
 
 
 def test_a_misspelled_key_names_the_nearest_one():
-    assert preflight_error("sweep", "stag=2").endswith("did you mean 'stage'?")
+    assert preflight_error("sweep", "stag=2") == \
+        "Could not override 'stag'; Key 'stag' not in 'SweepConfig'; did you mean 'stage'?"
     assert preflight_error("sweep", "zero.reduce_bucket_siz=5").endswith("did you mean 'zero.reduce_bucket_size'?")
     assert "did you mean" not in preflight_error("sweep", "qqqqqq=1")
 

@@ -112,7 +112,8 @@ def test_confirmation_simulates_the_fastest_worth_it_until_enough_fit(tmp_path, 
         return [{"point_id": p.point_id, "status": "ok",
                  "memory": {"peak_bytes": next(c.analytic_peak for c in candidates if c.point is p)
                             * (1.3 if p is fastest.point else 1.0)}} for p in points]
-    monkeypatch.setattr(plan, "run_simulated", fake_run_simulated)
+    from experiments.sweeps import simulated as sweeps_simulated   # where confirm() finds it
+    monkeypatch.setattr(sweeps_simulated, "run_simulated", fake_run_simulated)
     ran = plan.confirm(candidates, tmp_path, wanted=2, max_simulations=10, workers=1)
     assert simulated[0] is fastest.point and not fastest.fits   # simulated first, found not to fit
     by_point = {id(c.point): c for c in candidates}
