@@ -14,8 +14,9 @@ the system the paper ran each with, unless `system=` says otherwise. `cluster=` 
 machine). megatron_ds2023 on dgx_a100 is the pair checked against measured A100 steps
 (results/reference/reports/validation.md):
 
-    python experiments/predict.py system=megatron_ds2023 cluster=dgx_a100 model.layers=24 model.hidden=1024 model.heads=16 gpus=8 tp=8 stage=0 micro_batch=2 Bad input is
-one line on stderr and exit code 2, before anything is predicted.
+    python experiments/predict.py system=megatron_ds2023 cluster=dgx_a100 model.layers=24 model.hidden=1024 model.heads=16 gpus=8 tp=8 stage=0 micro_batch=2
+
+Bad input is one line on stderr and exit code 2, before anything is predicted.
 """
 from __future__ import annotations
 
@@ -117,6 +118,10 @@ def _point_text(r: dict) -> str:
             f"stage {r['stage']}, micro-batch {r['micro_batch']}, system {r['system']}, on {r['hardware']}\n"
             f"step {r['step_s']:.3f} s, {r['tflops_per_gpu_predicted']:.1f} TFLOPs/GPU (dominant: {r['dominant']})")
     terms = [f"  {t:<22}{r['terms'][t]:10.4f} s {100 * r['terms'][t] / r['step_s']:5.1f}%" for t in st.TERMS]
+    if r.get("dp_param_after_step_s"):   # of dp_comm_exposed: the post-step parameter all-gathers
+        terms.insert(st.TERMS.index("dp_comm_exposed") + 1,
+                     f"    post-step gather    {r['dp_param_after_step_exposed_s']:10.4f} s exposed of "
+                     f"{r['dp_param_after_step_s']:.4f} s")
     return "\n".join([head, *terms])
 
 

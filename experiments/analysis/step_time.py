@@ -16,15 +16,18 @@ Per GPU and per step, with g micro-batches accumulated:
 - DP comm exposed (systems.py): the system's gradient collectives, all exposed unless it
   overlaps them with backward, where exposed = max(the last collective, their sum - the
   recomputed forward and backward of the micro-batch that produces them); the post-step
-  parameter all-gathers (stages 1-2) exposed; stage 3's per-layer gathers prefetched under the
+  parameter all-gathers (stages 1-2) exposed, except where the system waits for them in the next
+  forward (System.param_gather_overlap, zero_repro with overlap_comm): then exposed = max(the
+  first gather, their sum - that forward's compute), the first layer waiting for its bucket;
+  stage 3's per-layer gathers (the root's once where the system keeps it) prefetched under the
   micro-batch's compute. The gradient copies around them (flatten, divide, bucket copies) are
   memory-bound passes, counted in compute_memory_bound and kernel_floors.
 - Pa: each layer's checkpoint all-gathered over the TP group before its recomputation; Pa+cpu:
   its partition to the host in forward and back in backward over PCIe; exposed.
 - optimizer: Adam with fp32 masters, memory bound: per parameter updated (Ψ at stage 0, Ψ/N at
   1-3) the passes of the system's optimizer step (systems.py: Megatron-LM 2019's FP16_Optimizer,
-  DeepSpeed 2020's ZeRO-2 step, this engine's unfused AdamW), plus its kernels per parameter
-  tensor at the floor; with no system, a fused Adam's (systems.optimizer_bytes_per_param).
+  DeepSpeed 2020's ZeRO-2 step, this engine's fused AdamW as `make proxies` counts it), plus its
+  kernels per parameter tensor and per step at the floor; with no system, a fused Adam's (systems.optimizer_bytes_per_param).
 
 A system with a host model (System.host_s_per_kernel: megatron_ds2023) is priced differently
 for its micro-batches (host_windows): the host issues each kernel and collective call at a
@@ -260,20 +263,31 @@ def optimizer_s(x: StepInputs, hw: Hardware, system: str | System | None = None)
     return seconds(step.local_passes, x.psi) + seconds(step.updated_passes, updated) + kernels * hw.kernel_floor_s
 
 
+def root_elements(x: StepInputs) -> float:
+    """The parameters one TP rank holds outside the layers (stage 3's root unit): its 1/t of the
+    word embeddings, the position embeddings and the final layernorm."""
+    return x.vocab * x.hidden / x.tp + x.seq_len * x.hidden + 2 * x.hidden
+
+
 def plan(x: StepInputs, system: str | System) -> DpPlan:
     sys = resolve_system(system)
     if x.engine_counts is not None:
         return record_plan(sys, x.engine_counts, x.stage, x.grad_accum, x.element_bytes, x.psi, x.layers)
     return dp_plan(sys, psi=x.psi, dp=x.dp, stage=x.stage, layers=x.layers, element_bytes=x.element_bytes,
-                   grad_accum=x.grad_accum, reduce_bucket=x.reduce_bucket, allgather_bucket=x.allgather_bucket)
+                   grad_accum=x.grad_accum, reduce_bucket=x.reduce_bucket, allgather_bucket=x.allgather_bucket,
+                   root=min(root_elements(x), x.psi))
 
 
 def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str, ComputeTime]) -> dict[str, float]:
     """Raw and exposed DP seconds per step under the system's overlap (module docstring)."""
-    p, group = plan(x, system), dp_group(x, hw)
-    overlap = resolve_system(system).overlap if x.overlap is None else x.overlap
+    p, group, sys = plan(x, system), dp_group(x, hw), resolve_system(system)
+    overlap = sys.overlap if x.overlap is None else x.overlap
     grads = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.grad_calls]
-    after = sum(_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_after_step)
+    after_calls = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_after_step]
+    after = sum(after_calls)
+    # waited on by the next forward's modules: hidden behind its compute but the first bucket's
+    exposed_after = max(after_calls[0], after - phases["forward"].total_s) \
+        if after_calls and sys.param_gather_overlap and overlap else after
     gathers = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_per_micro_batch]
     backward = phases["recompute"].total_s + phases["backward"].total_s
     micro = backward + phases["forward"].total_s
@@ -286,7 +300,8 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str,
         per_micro = (max(grads[-1], sum(grads) - backward) if overlap else sum(grads)) if grads else 0.0
     reductions = p.grad_reductions if (grads or gathers) else 0
     return {"grad_s": sum(grads) * p.grad_reductions, "param_s": after + sum(gathers) * x.grad_accum,
-            "exposed_s": per_micro * reductions + after,
+            "exposed_s": per_micro * reductions + exposed_after, "after_step_s": after,
+            "after_step_exposed_s": exposed_after,
             "copy": ComputeTime(memory_bound_s=p.copy_bytes / (hw.stream_bytes_per_s * half_load_fraction(x, system))
                                 * p.grad_reductions,
                                 floors_s=p.copy_kernels * hw.kernel_floor_s * p.grad_reductions)}
@@ -325,7 +340,9 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str | System = "zero
              "kernel_floors": floors + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
              "dp_comm_exposed": dp["exposed_s"], "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
              "optimizer": optimizer_s(x, hw, sys)}
-    details |= {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"], "recompute": x.recompute,
+    details |= {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"],
+                "dp_param_after_step_s": dp["after_step_s"], "dp_param_after_step_exposed_s": dp["after_step_exposed_s"],
+                "recompute": x.recompute,
                 "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
     return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=sys.name, details=details)
 

@@ -15,14 +15,16 @@ and what of it hides under backward: the collectives of one step, as they ran.
   (the first layers' gradients, ready when backward ends) cannot hide.
 - zero_repro: this suite's engine with its defaults (zero_impl/config.py): a reduce-scatter per
   reduce_bucket_size bucket (an all-reduce at stage 0), launched as it fills when overlap_comm
-  (the default), the post-step all-gather at stages 1-2 in allgather_bucket_size buckets, and
-  stage 3's per-layer gathers in forward and backward, prefetched under compute.
+  (the default), the post-step all-gather at stages 1-2 in allgather_bucket_size buckets, waited
+  on by the next forward's modules (overlap_param_gather), and stage 3's per-layer gathers in
+  forward and backward, prefetched under compute, the root unit gathered once (stage3_keep_root).
 
 Each system's optimizer step, as its code ran it (OptimizerStep: passes over memory per element
 and kernels per parameter tensor): Megatron-LM 2019's FP16_Optimizer walks the parameters one
 tensor at a time (the paper's DDP baseline is assumed to step with it: Megatron's training loop
 with torch DDP); DeepSpeed 2020's steps by stage, per-tensor overflow and norm checks before a
-flat fused Adam; zero_repro steps torch's AdamW unfused (zero_repro_adamw).
+flat fused Adam; zero_repro steps its shard with torch's fused AdamW, as `make proxies`
+counts it (zero_repro_step).
 
 A record of the suite's engine brings its own counts (calls and bytes per purpose): those
 replace the formula.
@@ -63,6 +65,12 @@ class System:
     # costs the profile's additive kernel_floor_us instead (the paper's systems, zero_repro)
     host_s_per_kernel: float | None = None
     host_s_per_collective: float = 0.0
+    # the post-step parameter all-gathers (stages 1-2) are waited on by the next forward's modules
+    # when overlap (megatron-core's overlap_param_gather): they hide behind that forward
+    param_gather_overlap: bool = False
+    # stage 3 keeps the root unit (what is not a layer: embeddings, final layernorm) gathered from
+    # the end of forward to its backward: one gather of it a micro-batch, not two (FSDP2's root)
+    stage3_keeps_root: bool = False
 
 
 def parameter_tensors(layers: int) -> int:
@@ -95,20 +103,31 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
     return element_bytes + 24 + (element_bytes if half else 0) + element_bytes * (2 if half else 1)
 
 
-# zero_repro steps torch.optim.AdamW unfused (experiments/run/build.py sets neither fused nor
-# foreach: CPU tensors take torch's single-tensor path, CUDA ones foreach, with the same passes).
-# Per fp32 master element they move p.mul_ (decoupled weight decay) 8 B, exp_avg.lerp_ 12,
-# exp_avg_sq.mul_ 8 and .addcmul_ 12, .sqrt() 8, / bias correction 8, .add_(eps) 8, p.addcdiv_ 16:
-# 80 B where a fused Adam moves 28 (torch/optim/adam.py, _single_tensor_adam). Issue 21's CPU check:
-# torch's AdamW took 20 ms of the 117 ms tiny_l step (profiled); 32 B per element predicted 6 ms.
-UNFUSED_ADAMW_EXTRA_BYTES = 80 - 28
+# zero_repro's optimizer step (zero_impl/optimizer.py, torch's fused AdamW as experiments/run/build.py
+# builds it on CUDA), as issue 30's engine runs it at stages 1-3: no host sync, and launches
+# independent of the bucket count. Kernels a step, counted by the dispatch mode (make proxies:
+# experiments/bench_proxies.py, results/reference/bench/proxies.md, whose fp32 row reads 9 at
+# stages 1-3 and 10 at stage 0; tests/zero_impl/test_step_dispatch.py counts every precision):
+# 9 in fp32, 10 in bf16, 19 in fp16 (its loss scaling: the unscale, found_inf, the scale update).
+# Bytes per owned element, pass by pass: fp32, the gradient norm's read 4 and fused AdamW's 28
+# (gradient, parameter, m, v read; parameter, m, v written): 32; bf16 (gradients reduced into an
+# fp32 shard), + the master copied back to bf16 (4 + 2): 38; fp16 (an fp16 shard), the norm's read
+# 2, the cast to fp32 2 + 4, AdamW 28, the copy back 4 + 2: 42. The clip and the DP average are
+# folded into AdamW's divisor (no pass). The model's element bytes do not tell bf16 from fp16:
+# half precision takes fp16's count (the paper's V100 points; bf16 moves 4 B and 9 kernels less).
+# [assumption] half precision's stage 0 adds the one kernel fp32's stage 0 adds (proxies.md).
+ZERO_REPRO_STEP_KERNELS = {4: 9, 2: 19}
+ZERO_REPRO_STEP_PASSES = {4: {"gradient norm": 4, "fused AdamW": 28},
+                          2: {"gradient norm (fp16)": 2, "gradient to fp32": 2 + 4, "fused AdamW": 28,
+                              "master to the fp16 parameter": 4 + 2}}
 
 
-def zero_repro_adamw(e: int, stage: int) -> OptimizerStep:
-    """This engine's step on its shard: a fused Adam's passes (optimizer_bytes_per_param) and
-    what torch's unfused AdamW moves beyond them (UNFUSED_ADAMW_EXTRA_BYTES)."""
-    return OptimizerStep({}, {"fused Adam, overflow check, gradient norm": optimizer_bytes_per_param(e),
-                              "unfused AdamW's extra passes": UNFUSED_ADAMW_EXTRA_BYTES})
+def zero_repro_step(e: int, stage: int) -> OptimizerStep:
+    """This engine's step on the elements it owns (ZERO_REPRO_STEP_PASSES, _KERNELS), e the
+    model's element bytes (fp32: 4, half precision: 2)."""
+    half = 4 if e >= 4 else 2
+    return OptimizerStep({}, dict(ZERO_REPRO_STEP_PASSES[half]),
+                         kernels_per_step=ZERO_REPRO_STEP_KERNELS[half] + (1 if stage == 0 else 0))
 
 
 def fp16_optimizer_2019(e: int, stage: int) -> OptimizerStep:
@@ -228,7 +247,8 @@ SYSTEMS = {
                               host_s_per_collective=MEGATRON_DS2023_HOST_S_PER_COLLECTIVE),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
-                         "all-gather, stage 3 prefetch", 0, 1, zero_repro_adamw),
+                         "all-gather behind the next forward (overlap_param_gather), stage 3 prefetch and kept root; "
+                         "fused AdamW", 0, 1, zero_repro_step, param_gather_overlap=True, stage3_keeps_root=True),
 }
 
 
@@ -271,9 +291,10 @@ def grad_copy_kernels(system: System, layers: int) -> int:
 
 
 def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, element_bytes: int,
-            grad_accum: int, reduce_bucket: float, allgather_bucket: float) -> DpPlan:
+            grad_accum: int, reduce_bucket: float, allgather_bucket: float, root: float = 0.0) -> DpPlan:
     """The DP collectives of one step of `system` (module docstring); psi = the parameters one
-    TP rank holds, buckets in elements (the zero_repro engine's; the others use their own)."""
+    TP rank holds, buckets in elements (the zero_repro engine's; the others use their own); root =
+    the elements of psi outside the layers (stage 3's root unit)."""
     e = element_bytes
     reductions = grad_accum if stage >= 2 else 1
     copies = system.grad_copy_passes * 2 * psi * e
@@ -299,8 +320,10 @@ def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, ele
         grads = [("all_reduce" if stage == 0 else "reduce_scatter", b * e) for b in _chunks(psi, reduce_bucket)]
         if stage in (1, 2):
             after = [("all_gather", b * e) for b in _chunks(psi, allgather_bucket)]
-        if stage == 3:
-            per_micro = [("all_gather", psi / layers * e)] * (2 * layers)   # each layer: forward and backward
+        if stage == 3:   # each layer in forward and backward; the root too, or once where it is kept
+            per_micro = [("all_gather", (psi - root) / layers * e)] * (2 * layers)
+            if root:
+                per_micro = [("all_gather", root * e)] * (1 if system.stage3_keeps_root else 2) + per_micro
     return DpPlan(tuple(grads), reductions, tuple(after), tuple(per_micro), copies, kernels)
 
 
