@@ -15,13 +15,16 @@ smallest tile that reaches the ceiling and scale smaller tiles by that reuse (64
 an assumption of this model (the guide: "larger tiles ... more data reuse"), not a measurement.
 cuBLAS's heuristic picks the tile; we take the best candidate, as a heuristic that picks well.
 
-A third loss, for short k, on the Ampere profiles (`k_tile`, `stages`): each tile's main loop
-walks k in steps of k_tile through a pipeline of `stages` shared-memory buffers, which it fills
-before the first multiply and drains after the last: stages - 1 steps without math at each end
-of the tile's run, so a tile's math is (k / k_tile) / (k / k_tile + stages - 1) of its time.
-CUTLASS's sm80 fp16 tensor-op default (include/cutlass/gemm/device/default_gemm_configuration.h,
+A third loss, for short k, on the Ampere profiles (`k_tile`, `stages`) [assumption]: each
+tile's main loop walks k in steps of k_tile through a pipeline of `stages` shared-memory
+buffers, filled before the first multiply and drained after the last: stages - 1 steps without
+math in all (the fill and the drain together, not at each end), so a tile's math is
+(k / k_tile) / (k / k_tile + stages - 1) of its time. The numbers are CUTLASS's sm80 fp16
+tensor-op default (include/cutlass/gemm/device/default_gemm_configuration.h,
 DefaultGemmConfiguration<OpClassTensorOp, Sm80, half_t, ...>): threadblock k = 64 (128 x 256 x 64),
-kStages = 3. At k = 64 (attention's scores at head size 64) that is 1/3; at TP 8's projection
+kStages = 3. The development set's GEMMs ran cuBLAS on CUDA 11.8, not CUTLASS's default, and
+cuBLAS's sm80 kernels' k step and depth are not published: the term is this model's assumption,
+held only by the validation's fit at short k. At k = 64 (attention's scores at head size 64) that is 1/3; at TP 8's projection
 (k = h/8 = 128 at h 1024) 1/2; at k = 4096, 0.97. The V100 profiles keep their derived ceiling
 without it (their ceiling is derived from DeepBench through the two losses above).
 
@@ -72,7 +75,8 @@ class TileWaveGemm:
     stages: int = 1               # its shared-memory pipeline depth
 
     def pipeline_efficiency(self, k: int) -> float:
-        """The fraction of a tile's run that multiplies: (k / k_tile) / (k / k_tile + stages - 1)."""
+        """The fraction of a tile's run that multiplies: (k / k_tile) / (k / k_tile + stages - 1), the
+        fill and drain costing stages - 1 k steps in all [assumption: module docstring]."""
         if self.k_tile is None:
             return 1.0
         steps = ceil(k / self.k_tile)

@@ -24,8 +24,10 @@
    the rest by peak, so a user sees why. Each row carries the train.py overrides that run it
    (the same point, point_id and all) and the sbatch line, and the step-time model's expected
    error for its (TP, micro-batch) regime, its median miss on measured A100 steps
-   (analysis/expected_error.py); where the next rows are predicted within that error of the
-   best, the plan says the model cannot order them.
+   (analysis/expected_error.py), where that was validated: system megatron_ds2023 on dgx_a100,
+   TP within one node; elsewhere "not validated". Where the next rows are predicted within the
+   model's p90 error on step-time ratios between TP degrees of the best, the plan says the model
+   cannot order them.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import step_time as st
 from experiments.analysis.calibrated import cluster_hardware
-from experiments.analysis.expected_error import expected_error
+from experiments.analysis.expected_error import expected_error, pair_ratio_p90
 from experiments.models.gpt_shape import parameter_count
 from experiments.analysis.hardware import load_cluster
 from experiments.commands import python_command, train_command
@@ -404,11 +406,14 @@ def sbatch_line(point: Point, train_overrides: str, alloc_conf: str = "") -> str
     return f"sbatch{export} --nodes={nodes} --gpus-per-node={gpus_per_node} slurm/run_point.sh {train_overrides}"
 
 
-def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dict]:
+def rows(candidates: list[Candidate], base_model: str | None = None, system: str = "zero_repro") -> list[dict]:
+    """The plan's rows, ranked; `system`: the one that priced them (plan's system=; expected_error
+    says whether that system on the point's cluster was validated)."""
     out = []
     for i, c in enumerate(ranked(candidates), 1):
         p, step, command = c.point, c.step, overrides(c, base_model)
-        error, regime = expected_error(p.tp, p.micro_batch)   # the model's miss on measured steps of this regime
+        # the model's miss on measured steps of this regime, where it was validated
+        error, regime = expected_error(p.tp, p.micro_batch, system, p.cluster["name"])
         out.append({"rank": i, "stage": p.stage, "tp": p.tp, "dp": p.dp, "micro_batch": p.micro_batch,
                     "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
                     "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
@@ -425,7 +430,8 @@ def rows(candidates: list[Candidate], base_model: str | None = None) -> list[dic
                     "tokens_per_s_predicted": round(c.speed) if step else None,
                     "step_s_predicted": round(step.step_s, 3) if step else None,
                     "dominant": step.dominant() if step else None,
-                    "expected_error": round(error, 3) if step else None, "expected_error_regime": regime if step else None,
+                    "expected_error": round(error, 3) if step and error is not None else None,
+                    "expected_error_regime": regime if step else None,
                     "point_id": p.point_id,
                     "overrides": command,
                     "command": _with_env(train_command(command, p.gpus, p.cluster["gpus_per_node"]), c.alloc_conf),
@@ -441,24 +447,30 @@ TABLE_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "glob
 def table(plan_rows: list[dict]) -> list[str]:
     """Rows as a Markdown table (TABLE_COLUMNS)."""
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
-    return lines + ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in TABLE_COLUMNS) + " |" for r in plan_rows]
+    def cell(r: dict, c: str) -> str:
+        if c == "expected_error" and r[c] is None and r["expected_error_regime"]:
+            return "not validated"
+        return "-" if r[c] is None else str(r[c])
+    return lines + ["| " + " | ".join(cell(r, c) for c in TABLE_COLUMNS) + " |" for r in plan_rows]
 
 
-def within_error(top_rows: list[dict]) -> list[str]:
-    """A sentence when the rows after the best are predicted within the best's expected error of
-    it (expected_error: the model's miss on measured steps of its regime): their order is then
-    the model's guess, to be measured."""
+def within_error(top_rows: list[dict], margin: float | None = None) -> list[str]:
+    """A sentence when rows after the best are predicted within `margin` of it (default: the p90
+    of the model's error on step-time ratios between TP degrees of the same run on the
+    development set, expected_error.pair_ratio_p90): their order is then the model's guess, to be
+    measured. Only where the model was validated (the best row's expected_error is a number)."""
     if len(top_rows) < 2 or top_rows[0]["tokens_per_s_predicted"] is None or top_rows[0]["expected_error"] is None:
         return []
-    best, error = top_rows[0]["tokens_per_s_predicted"], top_rows[0]["expected_error"]
+    margin = pair_ratio_p90() if margin is None else margin
+    best = top_rows[0]["tokens_per_s_predicted"]
     close = [r["rank"] for r in top_rows[1:]
-             if r["tokens_per_s_predicted"] is not None and r["tokens_per_s_predicted"] >= best * (1 - error)]
+             if r["tokens_per_s_predicted"] is not None and best <= r["tokens_per_s_predicted"] * (1 + margin)]
     if not close:
         return []
-    return ["", f"Rows {', '.join(map(str, close))} are predicted within the best's expected error "
-                f"({error:.0%}, {top_rows[0]['expected_error_regime']}: the model's median miss on measured A100 "
-                f"steps, validation.md) of row {top_rows[0]['rank']}: the model cannot order them; time a few "
-                f"steps of each."]
+    return ["", f"Rows {', '.join(map(str, close))} are predicted within {margin:.0%} of row {top_rows[0]['rank']}: "
+                f"the p90 of the model's error on step-time ratios between TP degrees of the same run "
+                f"(|predicted ratio / measured ratio - 1| on measured A100 steps, validation_summary.md). "
+                f"The model cannot order them; time a few steps of each."]
 
 
 def markdown(plan_rows: list[dict], header: str, top: int) -> str:
@@ -571,7 +583,7 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
     ran = confirm(candidates, results_dir / experiment_name(cluster), wanted=cfg.confirm, max_simulations=cfg.max_simulations,
                   workers=cfg.simulate_workers or default_workers(), rank=cfg.simulate_rank, progress=bar)
     bar.close()
-    plan_rows = rows(candidates, base_model)
+    plan_rows = rows(candidates, base_model, cfg.system)
     reused = sum(c.simulated_peak is not None or c.simulation_error is not None for c in candidates) - ran
     params = parameter_count(candidates[0].point.shape, 1)
     hw = cluster_hardware(cluster)
