@@ -115,9 +115,9 @@ def test_the_guides_are_not_a_change_log():
 
 
 # A result quoted in prose: a decimal number of bytes, parameters, FLOPs, time or a ratio (link
-# rates, GB/s, are the cluster configs' constants). Each must be a number of a reference report,
+# rates, GB/s, are the cluster configs' constants; µs and us count). Each must be a number of a reference report,
 # to the digits it is quoted with: within half a unit of its last digit, as rounding leaves it.
-QUANTITY = re.compile(r"(?<![\w.])(\d+\.\d+) ?(GB(?!/)|MB|B\b|TFLOPs|PFLOPs|ms\b|x\b|%)")
+QUANTITY = re.compile(r"(?<![\w.])(\d+\.\d+) ?(GB(?!/)|MB|B\b|TFLOPs|PFLOPs|ms\b|µs|us\b|x\b|%)")
 
 
 def reference_numbers() -> list[float]:
