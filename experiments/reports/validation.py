@@ -8,7 +8,10 @@ node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
 - `validation_summary`: median, 90th percentile and worst |predicted / measured - 1| overall and by
   TP degree, micro-batch and hidden size, with the median ratio; and the TP ranking check: among
   the families of rows that differ only in their TP degree (and so their DP degree), how often the
-  degree the model ranks fastest is the measured fastest.
+  degree the model ranks fastest is the measured fastest, for megatron_ds2023 and zero_repro beside
+  the rule 'the smallest TP' (right in every family here: this set cannot test ranking where a
+  larger TP wins), and the error of the predicted step-time ratio between every pair of a
+  family's TP degrees (what the set can test; the planner's margin, expected_error.pair_ratio_p90).
 - `host_constants`: the two host costs of megatron_ds2023 measured on the development set, each
   one physical quantity (systems.MEGATRON_DS2023_HOST_S_PER_*; a test keeps them equal):
   - per kernel: the rows at TP 1, micro-batch 1, hidden 1024 (the smallest work per kernel: the
