@@ -8,6 +8,7 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,7 +223,9 @@ def test_gpt_7b_on_a_v100_node_top_row_fits_simulated_and_agrees_with_predict_an
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "confirmed to fit" in out.stderr   # the progress bar
-    folder = tmp_path / "plan" / "gpt_7b-dgx2_v100-g8"
+    [written] = [line for line in out.stdout.splitlines() if line.startswith("written: ")]
+    folder = Path(written.split()[-1]).parent   # the folder the plan names for itself (plan_name)
+    assert folder == tmp_path / "plan" / "gpt_7b-dgx2_v100-g8-confirm1-max_simulations4"
     with open(folder / "plan.csv") as f:
         rows = list(csv.DictReader(f))
     assert {"stage", "tp", "micro_batch", "fits", "peak_gb", "tflops_per_gpu_predicted"} <= set(rows[0])
