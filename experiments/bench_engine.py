@@ -74,7 +74,8 @@ def _torch_step(module: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable
 def zero_system(stage: int) -> Callable:
     def build(model):
         return _engine_step(zero_impl.initialize(
-            model, zero_impl.ZeroConfig(stage=stage, reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET),
+            model, zero_impl.ZeroConfig(stage=stage, reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET,
+                                           overlap_param_gather=True),
             optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR)))
     return build
 

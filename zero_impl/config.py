@@ -43,10 +43,13 @@ class ZeroConfig:
         optimizer.CHUNKABLE always step the whole shard.
     overlap_comm: launch a bucket's collective asynchronously as soon as it is ready, so it runs
         while backward computes the next bucket; False = blocking collectives.
-    overlap_param_gather: stages 1-2 (with overlap_comm): each bucket's post-step all-gather is
-        waited on when the next forward first runs a module with parameters in it (megatron-core's
-        name and behaviour), so the gathers hide behind that forward; every rank must then run the
-        next forward (or call engine.finish_param_gathers()). False: complete them inside step().
+    overlap_param_gather: stages 1-2 (with overlap_comm), opt-in as in megatron-core: each
+        bucket's post-step all-gather is waited on when the next forward first runs a module with
+        parameters in it, so the gathers hide behind that forward. Until then the model holds
+        half-updated parameters: every rank must run the next forward, or call
+        engine.finish_param_gathers() on every rank before reading parameters outside forward
+        (EMA, torch.save, a tied head) or before a forward some ranks only run (model.state_dict()
+        finishes them itself, on every rank that calls it). False (default): step() completes them.
     loss_scale: fp16 only; 0 = dynamic loss scaling starting at 2**initial_scale_power, halved
         on overflow and doubled after loss_scale_window clean steps, never below min_loss_scale.
     hysteresis: overflows tolerated before the dynamic scale halves (DeepSpeed's fp16.hysteresis,
@@ -92,7 +95,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 40_000_000
     optimizer_bucket_size: int | None = 40_000_000
     overlap_comm: bool = True
-    overlap_param_gather: bool = True
+    overlap_param_gather: bool = False
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

@@ -32,7 +32,7 @@ class FlatParamBuffer:
 
     def __init__(self, slots: list[Slot], *, bucket_size: int, allgather_bucket_size: int, sharded: bool,
                  comm: Communicator, overlap: bool, dtype: torch.dtype, master_dtype: torch.dtype,
-                 overlap_param_gather: bool = True) -> None:
+                 overlap_param_gather: bool = False) -> None:
         """`dtype`: model precision; `master_dtype`: the optimizer's (its master pieces are cut
         here, from the parameters' values, when it differs from `dtype`)."""
         self.slots, self.comm, self.overlap = slots, comm, overlap
@@ -162,10 +162,18 @@ class FlatParamBuffer:
         for index in sorted(self._stale, key=lambda i: -i):
             self._wait_for(index)
 
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """State-dict pre-hook of the wrapped module: module.state_dict() sees updated values."""
+        self.finish_gathers()
+
     def register_hooks(self, module: nn.Module) -> None:
-        """Forward pre-hooks on each module owning flat-buffer parameters (stages 1-2)."""
+        """Forward pre-hooks on each module owning flat-buffer parameters (stages 1-2) and, with
+        overlap_param_gather, a state-dict pre-hook on `module` that completes the post-step
+        gathers (it may issue the held-back ones: every rank must call state_dict() then)."""
         if not self.sharded:
             return
+        if self.overlap and self.overlap_param_gather:
+            self.handles.append(module.register_state_dict_pre_hook(WeakHook(self._before_state_dict)))
         bucket_of = {id(s.param): s.bucket for s in self.slots}
         for m in module.modules():
             owned = tuple(sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of},

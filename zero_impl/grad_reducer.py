@@ -83,6 +83,9 @@ class BucketedGradReducer:
                                             dtype=dtype, device=device) for b in buckets]
         self.staging: dict[int, torch.Tensor] = {}
         self.inflight: deque = deque()
+        # Buffers of finished reductions whose last use may still be queued on `side`: held until the
+        # compute stream has waited for it (_release_finished); on CPU released at the same points.
+        self.finished: list[torch.Tensor] = []
         self.pending = [0] * len(buckets)
         self.reported = set()
         self.next_launch = len(buckets)
@@ -90,6 +93,7 @@ class BucketedGradReducer:
         self.first_micro_step = True
         self.written: set[int] = set()  # parameters whose gradient is in the buffer since the accumulation began
         self._padding: dict[int, list[tuple[int, int]]] = {}
+        self._ranges: dict[int, list[tuple[int, int, int]]] = {}  # per bucket: (id(param), start, end)
         self.peak_buffer_bytes = 0
         # Weak: the model outlives this reducer, whose buffers its hooks must not keep alive.
         self.handles = [s.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad)) for s in slots]
@@ -171,10 +175,14 @@ class BucketedGradReducer:
 
     def _zero_unwritten(self, bucket: Bucket, target: torch.Tensor, base: int) -> None:
         """Parameters of `bucket` that got no gradient in this accumulation (unused, or frozen)
-        hold stale values or none: zeros, before the bucket is reduced."""
-        for s in bucket.slots:
-            if id(s.param) not in self.written:
-                target[s.start - base:s.end - base].zero_()
+        hold stale values or none: zeros, before the bucket is reduced, in one foreach kernel
+        whatever their count (their ranges are cut once per bucket)."""
+        ranges = self._ranges.get(bucket.index)
+        if ranges is None:
+            ranges = self._ranges[bucket.index] = [(id(s.param), s.start, s.end) for s in bucket.slots]
+        views = [target[lo - base:hi - base] for key, lo, hi in ranges if key not in self.written]
+        if views:
+            torch._foreach_zero_(views)
 
     def _launch(self, bucket: Bucket) -> None:
         if not any(s.param.requires_grad for s in bucket.slots):
@@ -199,7 +207,7 @@ class BucketedGradReducer:
             self.inflight.append((work, staging, out, self.shard_grads[bucket.index] if accumulate else None))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
         if work is None:  # blocking collective (or a world of one): done already
-            self._finish_oldest()
+            self._finish_oldest(bound=True)
         while self.stage >= 2 and len(self.inflight) > MAX_INFLIGHT_STAGING:
             self._finish_oldest(bound=True)
 
@@ -210,11 +218,15 @@ class BucketedGradReducer:
         On CUDA this runs on the reducer's own stream (`side`), FSDP2's arrangement: the wait
         makes that stream, not the compute stream, wait for NCCL, so backward's kernels keep
         running while the bucket is finished. The staging buffer and the reduce-scatter output
-        were allocated on the compute stream and are last used here: record_stream keeps the
-        caching allocator from handing their memory out again before this stream is done with
-        them. With `bound` (MAX_INFLIGHT_STAGING reached) the compute stream waits for this
-        bucket too, so the memory it frees is really free before the next staging buffer is
-        cut (the bound holds on the device, not only on the host)."""
+        were allocated on the compute stream and are last used on `side`. No record_stream: the
+        caching allocator would hand such a block out again only once an event it records has
+        completed as seen from the host, so a host running ahead would cut fresh memory for every
+        bucket and MAX_INFLIGHT_STAGING would bound nothing on the device. Instead they are held
+        (`finished`) until the compute stream waits for `side`, with `bound` (MAX_INFLIGHT_STAGING
+        reached) and at the end of backward, then dropped: every later kernel of the compute
+        stream is ordered after their last use, so the allocator reuses their memory at once
+        and safely (FSDP2 frees its reduce-scatter input the same way). What holds: at most
+        MAX_INFLIGHT_STAGING + 1 staging buffers alive at once, on the host and on the device."""
         work, staging, out, accumulate_into = self.inflight.popleft()
         with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
             if work is not None:
@@ -223,12 +235,15 @@ class BucketedGradReducer:
                 out.div_(self.post_divide)
             if accumulate_into is not None:
                 accumulate_into.add_(out)
+        self.finished += [t for t in (staging, out if accumulate_into is not None else None) if t is not None]
+        if bound:
+            self._release_finished()
+
+    def _release_finished(self) -> None:
+        """The compute stream waits for what `side` has queued, then the finished buffers go."""
         if self.side is not None:
-            for t in (staging, out if accumulate_into is not None else None):
-                if t is not None:
-                    t.record_stream(self.side)
-            if bound:
-                torch.cuda.current_stream(self.device).wait_stream(self.side)
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+        self.finished.clear()
 
     def end_backward(self) -> None:
         """Reduce what is left (buckets with unused parameters) and wait for every collective."""
@@ -238,8 +253,7 @@ class BucketedGradReducer:
                 self.next_launch += 1
         while self.inflight:
             self._finish_oldest()
-        if self.side is not None:  # the optimizer and the next backward read what the side stream wrote
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
+        self._release_finished()  # the optimizer and the next backward read what the side stream wrote
         self.reducing = False
 
     def zero_grads(self) -> None:
@@ -251,7 +265,7 @@ class BucketedGradReducer:
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The gradient buffer (stages 0-1) or shards (stages 2-3), and the working buffers alive
         now: staging buffers and reduce-scatter outputs of their own (ZeroEngine.state_tensors)."""
-        alive = list(self.staging.values())
+        alive = list(self.staging.values()) + self.finished
         for _work, staging, out, accumulate_into in self.inflight:
             alive += [t for t in (staging, out if accumulate_into is not None else None) if t is not None]
         return {"grads": [self.full] if self.full is not None else list(self.shard_grads), "buffers": alive}
@@ -275,8 +289,7 @@ class BucketedGradReducer:
         for work, *_buffers in self.inflight:
             if work is not None:
                 work.wait()
-        if self.side is not None:  # what the side stream still has queued on the gradient buffers
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
+        self._release_finished()  # what the side stream still has queued on the gradient buffers
         self.inflight.clear()
         self.staging.clear()
         self.reducing = False

@@ -382,7 +382,9 @@ class ShardedOptimizer:
 
 class StepApplied:
     """step()'s answer when the device made the decision: true unless the step was skipped.
-    Reading it (bool(), ==, printing, pickling) waits for the step: do it only when needed."""
+    Reading it (bool(), ==, printing, pickling) is a host sync that waits for the whole step on
+    the device: `if engine.step():` in a training loop stalls the GPU queue every step, so read
+    it only when needed (stats() reads the same flag later)."""
 
     __slots__ = ("_found_inf",)
 

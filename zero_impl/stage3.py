@@ -19,7 +19,8 @@ Schedule, as in PyTorch FSDP2 (`torch/distributed/fsdp/_fully_shard/`):
   gradients of its inputs are computed (stage3_signals.py): the unit is released.
 The root unit stays gathered from its forward to its backward (stage3_keep_root, as FSDP2 keeps
 its root: backward begins with it, so releasing it would gather it again at once), unless the
-forward ran without gradients. At most `stage3_max_live_units` units are gathered at once (the
+forward ran without gradients; a root kept by a forward no backward followed is released at the
+next step() (or close()). At most `stage3_max_live_units` units are gathered at once (the
 root counts, since it encloses the whole forward); parameters of at most
 `stage3_param_persistence_threshold` elements form one persistent unit that stays gathered and
 is all-gathered once after each step.
@@ -261,7 +262,12 @@ class Stage3Params:
         """Stages 1-2's lazily waited post-step gathers; stage 3 gathers its persistent unit in after_step."""
 
     def after_step(self, applied: bool) -> None:
-        """The persistent unit holds full parameters: refresh them from the updated shards."""
+        """The persistent unit holds full parameters: refresh them from the updated shards. A
+        root kept by a forward with gradients that no backward followed (an evaluation without
+        no_grad) is released: its gathered values predate the step, and the next forward must
+        gather the updated ones."""
+        if self.root is not None and not self.root.persistent:
+            self.release(self.root)
         if applied and self.units[-1].persistent:
             unit = self.units[-1]
             unit.gathered = False

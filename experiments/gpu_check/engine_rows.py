@@ -72,7 +72,8 @@ def parity_run(stages: list[int], device_type: str, force: bool = False) -> dict
         torch.manual_seed(0)
         model = TinyGPT(cfg)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        config = zero_impl.ZeroConfig(stage=stage, clip_grad_norm=1.0, force_collectives=force)
+        config = zero_impl.ZeroConfig(stage=stage, clip_grad_norm=1.0, force_collectives=force,
+                                      overlap_param_gather=True)
         engine = zero_impl.initialize(model.to(device), config,
                                       optimizer=lambda g: torch.optim.AdamW(g, lr=PARITY["lr"], weight_decay=0.01))
         losses = []

@@ -50,7 +50,7 @@ def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn
     groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
               {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
     config = zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
-                                  **point.zero)
+                                  **{"overlap_param_gather": True, **point.zero})  # every rank runs each forward
     options = adamw or adamw_implementation()
 
     def adamw_over(g):

@@ -112,7 +112,7 @@ def _engine(stage: int, cap: int, **config) -> zero_impl.ZeroEngine:
     # in chunks, into list outputs, from clones), and 700 in flight lets two smaller buckets
     # overlap but not three, so the bound binds and is not vacuous.
     config = zero_impl.ZeroConfig(stage=stage, reduce_bucket_size=300, allgather_bucket_size=cap, overlap_comm=True,
-                                  **config)
+                                  **{"overlap_param_gather": True, **config})
     engine = zero_impl.initialize(make_model(), config, adamw, param_groups=None)
     tokens = global_batch(0, 1, 1)[0, 0]
     engine.backward(lm_loss(engine(tokens), tokens))
@@ -159,9 +159,18 @@ def test_post_step_gathers_are_waited_on_inside_the_next_forward(fake_world, mon
     engine.close()
 
 
-@pytest.mark.parametrize("finish", ["full_parameters", "close", "overlap_param_gather=False"])
+@pytest.mark.parametrize("finish", ["full_parameters", "close", "state_dict", "overlap_param_gather=False",
+                                    "default"])
 def test_nothing_after_step_leaves_a_gather_open(fake_world, monkeypatch, finish):
-    engine = _engine(2, cap=700, overlap_param_gather=finish != "overlap_param_gather=False")
+    if finish == "default":  # overlap_param_gather is opt-in: step() completes the gathers
+        assert zero_impl.ZeroConfig().overlap_param_gather is False
+        engine = zero_impl.initialize(make_model(), zero_impl.ZeroConfig(stage=2, reduce_bucket_size=300,
+                                                                         allgather_bucket_size=700),
+                                      adamw, param_groups=None)
+        tokens = global_batch(0, 1, 1)[0, 0]
+        engine.backward(lm_loss(engine(tokens), tokens))
+    else:
+        engine = _engine(2, cap=700, overlap_param_gather=finish != "overlap_param_gather=False")
     watch = watch_gathers(monkeypatch)
     engine.step()
     buckets = len(engine.params.buckets)
@@ -169,6 +178,8 @@ def test_nothing_after_step_leaves_a_gather_open(fake_world, monkeypatch, finish
         engine.full_parameters()
     elif finish == "close":
         engine.close()
+    elif finish == "state_dict":  # the wrapped module's state-dict pre-hook (torch.save, EMA over it)
+        engine.module.state_dict()
     # every post-step gather waited on (full_parameters' own export gathers are blocking ones)
     assert watch.open == 0 and watch.log.count("wait") == buckets
 
@@ -185,7 +196,9 @@ def _after_step_values(stage: int, overlap_param_gather: bool) -> dict:
         tokens = global_batch(step, world, 1)[0, rank]
         engine.backward(lm_loss(engine(tokens), tokens))
         engine.step()
-    out["full"] = engine.full_parameters()  # right after the step, gathers in flight
+    # right after the step, gathers in flight: the module's state dict, then full_parameters()
+    out["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["full"] = engine.full_parameters()
     tokens = global_batch(2, world, 1)[0, rank]
     out["loss"] = lm_loss(engine(tokens), tokens).item()
     engine.close()
@@ -200,6 +213,7 @@ def test_values_after_step_are_the_updated_ones(stage):
     lazy, eager = (spawn(_after_step_values, 2, stage, flag, timeout=120) for flag in (True, False))
     for a, b in zip(lazy, eager):
         assert all(torch.equal(a["full"][n], b["full"][n]) for n in b["full"])
+        assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in b["state_dict"])
         assert a["loss"] == b["loss"]
         assert all(torch.equal(a["closed"][n], b["closed"][n]) for n in b["closed"])
         assert all(torch.equal(a["closed"][n], a["full"][n]) for n in a["closed"])  # fp32: the masters

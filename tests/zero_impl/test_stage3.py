@@ -136,6 +136,35 @@ def test_keeping_the_root_saves_its_second_gather():
         paper["stats"]["comm"]["last_step"]["by_purpose"]["grads"]
 
 
+def _loss_after_a_forward_without_backward(evaluate: bool) -> dict:
+    """A step, then (with `evaluate`) a forward with gradients and no backward before the next
+    step: that forward keeps the root gathered; the step after it must not leave it so."""
+    model = make_model()
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3), adamw, param_groups(model))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        tokens = global_batch(step, world, 1)[0, rank]
+        engine.backward(lm_loss(engine(tokens), tokens))
+        if evaluate:
+            lm_loss(engine(tokens), tokens)  # grad-enabled forward, no backward: the root stays gathered
+        kept = engine.params.root.gathered
+        engine.step()
+    tokens = global_batch(2, world, 1)[0, rank]
+    out = {"kept_before_step": kept, "gathered_after_step": engine.params.root.gathered,
+           "loss": lm_loss(engine(tokens), tokens).item()}
+    engine.close()
+    return out
+
+
+def test_a_root_kept_by_a_forward_without_backward_is_released_by_step():
+    """Else the next forward would compute with the root's values from before the step."""
+    evaluated, plain = (spawn(_loss_after_a_forward_without_backward, 2, flag, timeout=60) for flag in (True, False))
+    for e, p in zip(evaluated, plain):
+        assert e["kept_before_step"] and not p["kept_before_step"]
+        assert not e["gathered_after_step"]
+        assert e["loss"] == p["loss"]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_model_state_bytes_are_16psi_over_n(world):
     results = spawn(_stats, world, 1, "fp16", timeout=60)  # the paper's P = G = 2
