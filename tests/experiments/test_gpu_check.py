@@ -148,7 +148,8 @@ def test_cpu_rehearsal_runs_every_check():
     [overlap] = [row for row in rows if row.startswith("| Pa+cpu prefetch")]
     assert "on demand 0" in overlap and "bitwise equal" in overlap
     assert lines[-3] == ("rows: stages through the collectives (gloo, world 1) 8, parity 4, world 2 (gloo) 4, "
-                         "TP2xDP2 (gloo) 5, tiny_l 1, step-time model 2, ZeRO-R 3, bench 1; skipped: none")
+                         "TP2xDP2 (gloo) 5, tiny_l 1, step-time model 2, ZeRO-R 3, allocator 0 (needs CUDA's own trace), "
+                         "bench 1; skipped: none")
     assert sum("vs the step-time model" in row for row in rows) == 2  # prediction_rows.py: GEMM curve, step
     assert lines[-1].startswith("28/28 checks pass")
 

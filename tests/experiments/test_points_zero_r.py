@@ -18,6 +18,11 @@ def test_paper_experiments_run_their_table3_configurations(compose, experiment):
     assert len(specs) == len(points) and "not implemented" not in cfg.experiment.description
     for spec, point in zip(specs, points):
         switches = {k: point.zero[k] for k in NONE}
+        if not spec.zero_r and spec.note.endswith(" no MD"):  # fig7's MD-off twins: their configuration less MD
+            assert experiment == "fig7" and zero_r_config(point.stage, **switches) is None
+            config = spec.note.removesuffix(" no MD")
+            assert {"stage": point.stage, **switches} == dict(ZERO_R_CONFIGS[config], contiguous_memory_optimization=False)
+            continue
         if not spec.zero_r:  # Figure 2's Megatron baselines
             assert spec.note == "Baseline" and switches == NONE and point.stage == 0
             continue

@@ -114,7 +114,7 @@ def test_killed_sweep_completes_on_rerun_without_duplicates(tmp_path):
     ("tp=3", "error: point (tiny_s, stage 0, 1 GPUs, TP 3, micro-batch 4): tensor-parallel size 3 must divide heads (4)"),
     ("gpus=[64]", "error: point (tiny_s, stage 0, 64 GPUs, TP 1, micro-batch 4) needs 64 devices; this machine offers"),
     ("micro_batch=-1", "error: micro_batch must be a positive integer, got -1"),
-    ("stagee=2", "error: Could not override 'stagee'.; Key 'stagee' not in 'SweepConfig'"),
+    ("stagee=2", "error: Could not override 'stagee'; Key 'stagee' not in 'SweepConfig'; did you mean 'stage'?"),
     ("train.precision=fp8", "error: train.precision must be one of ['auto', 'fp32', 'bf16', 'fp16'], got 'fp8'"),
     ("zero.stage3_max_live_units=1", "error: zero.stage3_max_live_units must be an integer >= 2, got 1"),
 ])
