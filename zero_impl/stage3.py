@@ -259,15 +259,16 @@ class Stage3Params:
         self.in_backward = False
 
     def finish_gathers(self) -> None:
-        """Stages 1-2's lazily waited post-step gathers; stage 3 gathers its persistent unit in after_step."""
+        """Release every gathered unit but the persistent one, waiting on its gathers first. Called
+        before the optimizer writes the shards: a unit still gathered here holds values the step
+        is about to make stale (a root kept by a forward no backward followed; layers prefetched by
+        a forward that stopped early, such as an early-exit evaluation), and its in-flight
+        prefetch reads the shards the step writes. The next forward gathers the updated values."""
+        for unit in self.units:
+            self.release(unit)
 
     def after_step(self, applied: bool) -> None:
-        """The persistent unit holds full parameters: refresh them from the updated shards. A
-        root kept by a forward with gradients that no backward followed (an evaluation without
-        no_grad) is released: its gathered values predate the step, and the next forward must
-        gather the updated ones."""
-        if self.root is not None and not self.root.persistent:
-            self.release(self.root)
+        """The persistent unit holds full parameters: refresh them from the updated shards."""
         if applied and self.units[-1].persistent:
             unit = self.units[-1]
             unit.gathered = False

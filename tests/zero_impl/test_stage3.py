@@ -136,32 +136,53 @@ def test_keeping_the_root_saves_its_second_gather():
         paper["stats"]["comm"]["last_step"]["by_purpose"]["grads"]
 
 
-def _loss_after_a_forward_without_backward(evaluate: bool) -> dict:
-    """A step, then (with `evaluate`) a forward with gradients and no backward before the next
-    step: that forward keeps the root gathered; the step after it must not leave it so."""
+class _StopForward(Exception):
+    pass
+
+
+def _stop(*_) -> None:
+    raise _StopForward
+
+
+def _loss_after_a_forward_without_backward(evaluate: str | None) -> dict:
+    """Two steps, with (`evaluate`) a forward between each backward and step that no backward
+    follows: "grad" a whole forward with gradients (it keeps the root gathered); "early_exit" a
+    no_grad forward that stops in the first block (the next blocks were prefetched and stay
+    gathered). The step after it must leave no unit gathered with pre-step values."""
     model = make_model()
     engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3), adamw, param_groups(model))
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(2):
         tokens = global_batch(step, world, 1)[0, rank]
         engine.backward(lm_loss(engine(tokens), tokens))
-        if evaluate:
-            lm_loss(engine(tokens), tokens)  # grad-enabled forward, no backward: the root stays gathered
-        kept = engine.params.root.gathered
+        if evaluate == "grad":
+            lm_loss(engine(tokens), tokens)
+        elif evaluate == "early_exit":
+            handle = model.blocks[0].register_forward_hook(_stop)
+            with torch.no_grad(), pytest.raises(_StopForward):
+                engine(tokens)
+            handle.remove()
+        kept = [u.name for u in engine.params.units if u.gathered]
         engine.step()
     tokens = global_batch(2, world, 1)[0, rank]
-    out = {"kept_before_step": kept, "gathered_after_step": engine.params.root.gathered,
+    out = {"kept_before_step": kept, "gathered_after_step": [u.name for u in engine.params.units if u.gathered],
            "loss": lm_loss(engine(tokens), tokens).item()}
     engine.close()
     return out
 
 
-def test_a_root_kept_by_a_forward_without_backward_is_released_by_step():
-    """Else the next forward would compute with the root's values from before the step."""
-    evaluated, plain = (spawn(_loss_after_a_forward_without_backward, 2, flag, timeout=60) for flag in (True, False))
+@pytest.mark.parametrize("evaluate", ["grad", "early_exit"])
+def test_units_kept_by_a_forward_without_backward_are_released_by_step(evaluate):
+    """Else the next forward would compute with their values from before the step (and, on a
+    GPU, a prefetch still in flight would read the shards the optimizer writes)."""
+    evaluated, plain = (spawn(_loss_after_a_forward_without_backward, 2, flag, timeout=60) for flag in (evaluate, None))
     for e, p in zip(evaluated, plain):
-        assert e["kept_before_step"] and not p["kept_before_step"]
-        assert not e["gathered_after_step"]
+        assert not p["kept_before_step"]
+        if evaluate == "grad":
+            assert e["kept_before_step"] == ["<root>"]
+        else:  # the root and the first block ran; the second was prefetched
+            assert "<root>" in e["kept_before_step"] and len(e["kept_before_step"]) >= 2
+        assert e["gathered_after_step"] == []
         assert e["loss"] == p["loss"]
 
 
