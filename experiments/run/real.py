@@ -78,12 +78,17 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     stop_file = os.environ.get("ZERO_REPRO_STOP_FILE")
     if on_step is not None:
         on_step(start, saved)
-    for step in range(start, t["warmup_steps"] + t["steps"]):
-        if step == min(1, t["warmup_steps"] + t["steps"] - 1) and dist.get_rank() == _faulty_rank(t["fault"]):
+    end = t["warmup_steps"] + t["steps"]
+    clock, totals = StepClock(device), []  # the open timing window's steps and their losses, on the device
+    for step in range(start, end):
+        if step == min(1, end - 1) and dist.get_rank() == _faulty_rank(t["fault"]):
             _inject(t["fault"])  # before the barrier: the other ranks wait there for the faulty one
-        _sync(device)
-        dist.barrier()
-        began = time.perf_counter()
+        timed = step >= t["warmup_steps"]
+        if not timed or not clock.open or t["fault"] != "none":  # a timing window starts from an idle device, ranks aligned
+            _sync(device)
+            dist.barrier()
+        if timed:
+            clock.start_step()
         total = torch.zeros((), device=device)
         for micro in range(t["grad_accum_steps"]):
             tokens = micro_batch_tokens(point, step, micro, dp_rank).to(device)
@@ -97,15 +102,16 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
             engine.step()
             total += loss.detach() / t["grad_accum_steps"]
         peak.stop()
-        _sync(device)
-        if step >= t["warmup_steps"]:
-            times.append(time.perf_counter() - began)
-        dist.all_reduce(total, group=dp_group)
-        losses.append(total.item() / dist.get_world_size(dp_group))
+        totals.append(total)
         if t["fault"] == "slow":
             time.sleep(1.0)
-        stop = _stop_requested(stop_file, device) and step + 1 < t["warmup_steps"] + t["steps"]
-        if root is not None and (stop or t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0):
+        save_due = root is not None and t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0
+        if not timed or save_due or stop_file or step + 1 == end:  # host work ahead: close the window
+            times += clock.close()
+            losses += _mean_losses(totals, dp_group)
+            totals = []
+        stop = _stop_requested(stop_file, device) and step + 1 < end
+        if root is not None and (stop or save_due):
             saved = str(zero_impl.checkpoint.save(engine, root / f"step_{step + 1}",
                                                   extra={"step": step + 1, "losses": losses, "step_times_s": times}))
         if on_step is not None:
@@ -122,6 +128,55 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
         memory["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
     return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats,
             "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from}}
+
+
+class StepClock:
+    """Each timed step's duration as the device ran it, with no wait on the host between steps.
+
+    A window of consecutive steps is timed by marks where each step begins: on CUDA timing events
+    on the compute stream, read once the window closes; on CPU, where the ops run on the host, the
+    host's clock. Between steps nothing waits: the next forward waits for the post-step parameter
+    gathers only where its modules need them (overlap_param_gather), so a gather hidden behind it
+    costs nothing here, as in a training run; a sync and barrier before every step would time each
+    gather as exposed. The loop closes the window (one sync) before host work that is not training:
+    a checkpoint, the stop-file check, the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []  # the open window's step starts
+
+    @property
+    def open(self) -> bool:
+        return bool(self.marks)
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start_step(self) -> None:
+        self.marks.append(self._now())
+
+    def close(self) -> list[float]:
+        """End the window after its last step; its steps' seconds, in order."""
+        if not self.marks:
+            return []
+        marks, self.marks = self.marks + [self._now()], []
+        if self.cuda:
+            marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def _mean_losses(totals: list[torch.Tensor], dp_group) -> list[float]:
+    """Each step's loss averaged over the DP ranks, read to the host once a window closes (one
+    all-reduce a step, as each was reduced alone: the same sums, bitwise)."""
+    works = [dist.all_reduce(total, group=dp_group, async_op=True) for total in totals]
+    for work in works:
+        work.wait()
+    return [total.item() / dist.get_world_size(dp_group) for total in totals]
 
 
 def _stop_requested(stop_file: str | None, device: torch.device) -> bool:

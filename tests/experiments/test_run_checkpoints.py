@@ -40,3 +40,36 @@ def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monk
     assert again["losses"] == done["losses"] and len(again["step_times_s"]) == 4
     assert again["resume"] == {"last_step": 5, "checkpoint": str(tmp_path / "interrupted" / "step_1"),
                                "resumed_from": str(tmp_path / "interrupted" / "step_1")}
+
+
+def _barriers_and_times(point_dict: dict) -> dict:
+    import sys
+    import torch.distributed as dist
+    from experiments.run.real import train_rank
+    barrier, calls = dist.barrier, []
+
+    def counted(*args, **kwargs):  # the training loop's own barriers (not the build's)
+        if sys._getframe(1).f_code.co_name == "train_rank":
+            calls.append(1)
+        return barrier(*args, **kwargs)
+    dist.barrier = counted
+    try:
+        out = train_rank(point_dict, "fp32")
+    finally:
+        dist.barrier = barrier
+    return {"barriers": len(calls), "times": out["step_times_s"], "losses": out["losses"]}
+
+
+def test_timed_steps_run_back_to_back(compose, tmp_path):
+    """The timed steps form one window: no barrier (and on CUDA no sync) between them, so the
+    post-step parameter gathers can hide behind the next forward as in training (StepClock);
+    a barrier for the warm-up step and one where the window starts. A checkpoint closes the
+    window (its save is not timed) and the next step opens another."""
+    from experiments.run.real import with_checkpoint_dir
+    plain = _point(compose, tmp_path)
+    [r, _] = spawn(_barriers_and_times, 2, with_checkpoint_dir(plain, tmp_path), timeout=120)
+    assert r["barriers"] == 2 and len(r["times"]) == 4 and all(t > 0 for t in r["times"]) and len(r["losses"]) == 5
+    saving = _point(compose, tmp_path, "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path}/ck")
+    [s, _] = spawn(_barriers_and_times, 2, with_checkpoint_dir(saving, tmp_path), timeout=120)
+    assert s["losses"] == r["losses"] and len(s["times"]) == 4
+    assert s["barriers"] - r["barriers"] >= 1  # the window after step 2's save starts aligned again
