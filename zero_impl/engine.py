@@ -408,6 +408,13 @@ def _collect_slots(module: nn.Module, param_groups, mp: Communicator,
     registration), with their param group index (None for frozen ones)."""
     everything = list(module.named_parameters())
     named = [(n, p) for n, p in everything if p.requires_grad]
+    # megatron's sequence parallelism leaves these gradients partial on each TP rank: they need an
+    # all-reduce over the TP group that this engine does not issue (the TP ranks would drift apart)
+    partial = [n for n, p in named if getattr(p, "sequence_parallel", False)]
+    if partial and mp.size > 1:
+        raise ValueError(f"sequence-parallel parameters are not supported (their gradients are partial on each "
+                         f"TP rank): {partial[:3]}{' ...' if len(partial) > 3 else ''}; build the model with "
+                         "sequence_parallel=False")
     if param_groups is None:
         group_of, options = {id(p): 0 for _, p in named}, [{}]
     else:

@@ -148,3 +148,25 @@ def test_default_gradient_staging_is_a_constant_not_the_whole_gradient():
     assert total > 300_000_000 and len(buckets) > 2
     assert max(b.numel for b in buckets) <= max(budget, largest) + 64
     assert (MAX_INFLIGHT_STAGING + 1) * max(b.numel for b in buckets) < total / 1.2
+
+
+def _build_with_sequence_parallel_norms(tp_sized: bool) -> str:
+    import torch.distributed as dist
+    model = make_model()
+    for name, p in model.named_parameters():
+        p.sequence_parallel = "ln" in name  # as megatron marks its layernorms under sequence parallelism
+    try:
+        zero_impl.initialize(model, zero_impl.ZeroConfig(stage=2), adamw,
+                             mp_group=dist.group.WORLD if tp_sized else dist.new_group([dist.get_rank()]))
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_sequence_parallel_parameters_are_refused_under_tp():
+    """Their gradients are partial on each TP rank and need a TP all-reduce the engine does not
+    issue: refused by name at TP > 1 rather than letting the TP ranks drift apart."""
+    from experiments.launch import spawn
+    refused = spawn(_build_with_sequence_parallel_norms, 2, True, timeout=60)
+    assert all(m.startswith("sequence-parallel parameters are not supported") and "ln" in m for m in refused)
+    assert spawn(_build_with_sequence_parallel_norms, 2, False, timeout=60) == ["built", "built"]
