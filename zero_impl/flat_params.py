@@ -163,23 +163,24 @@ class FlatParamBuffer:
             self._wait_for(index)
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        """State-dict pre-hook of the wrapped module: module.state_dict() sees updated values."""
+        """State-dict pre-hook of each module owning flat-buffer parameters: its state_dict(), or
+        any ancestor's, sees updated values."""
         self.finish_gathers()
 
     def register_hooks(self, module: nn.Module) -> None:
         """Forward pre-hooks on each module owning flat-buffer parameters (stages 1-2) and, with
-        overlap_param_gather, a state-dict pre-hook on `module` that completes the post-step
-        gathers (it may issue the held-back ones: every rank must call state_dict() then)."""
+        overlap_param_gather, state-dict pre-hooks on the same modules that complete the post-step
+        gathers (they may issue the held-back ones: every rank must call state_dict() then)."""
         if not self.sharded:
             return
-        if self.overlap and self.overlap_param_gather:
-            self.handles.append(module.register_state_dict_pre_hook(WeakHook(self._before_state_dict)))
         bucket_of = {id(s.param): s.bucket for s in self.slots}
         for m in module.modules():
             owned = tuple(sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of},
                                  reverse=True))
             if owned:
                 self.handles.append(m.register_forward_pre_hook(WeakHook(self._before_module, owned)))
+                if self.overlap and self.overlap_param_gather:  # a submodule's state_dict() too
+                    self.handles.append(m.register_state_dict_pre_hook(WeakHook(self._before_state_dict)))
 
     def allgather_bytes(self) -> int:
         """Bytes of post-step all-gathers in flight at once, at most so far (in place: the

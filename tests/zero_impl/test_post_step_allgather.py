@@ -159,8 +159,8 @@ def test_post_step_gathers_are_waited_on_inside_the_next_forward(fake_world, mon
     engine.close()
 
 
-@pytest.mark.parametrize("finish", ["full_parameters", "close", "state_dict", "overlap_param_gather=False",
-                                    "default"])
+@pytest.mark.parametrize("finish", ["full_parameters", "close", "state_dict", "submodule state_dict",
+                                    "overlap_param_gather=False", "default"])
 def test_nothing_after_step_leaves_a_gather_open(fake_world, monkeypatch, finish):
     if finish == "default":  # overlap_param_gather is opt-in: step() completes the gathers
         assert zero_impl.ZeroConfig().overlap_param_gather is False
@@ -180,6 +180,8 @@ def test_nothing_after_step_leaves_a_gather_open(fake_world, monkeypatch, finish
         engine.close()
     elif finish == "state_dict":  # the wrapped module's state-dict pre-hook (torch.save, EMA over it)
         engine.module.state_dict()
+    elif finish == "submodule state_dict":  # each owning module has the hook: a part's state dict too
+        engine.module.ln_f.state_dict()
     # every post-step gather waited on (full_parameters' own export gathers are blocking ones)
     assert watch.open == 0 and watch.log.count("wait") == buckets
 
