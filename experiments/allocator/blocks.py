@@ -6,7 +6,7 @@ segment's address space); a `BlockPool` holds the free blocks of one size class 
 (stream, size, address) (BlockComparatorSize: best fit is the first block at or after the
 request's key on the same stream) and the unmapped ranges of expandable segments ordered by
 (stream, address) (BlockComparatorAddress). An `ExpandableSegment` is one reserved virtual
-range whose pages (2 MiB small, 20 MiB large) are mapped and unmapped on demand.
+range whose pages (2 MiB small, large_segment_size large: 20 MiB) are mapped and unmapped on demand.
 """
 from __future__ import annotations
 

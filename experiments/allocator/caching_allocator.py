@@ -3,9 +3,9 @@ DeviceCachingAllocator), one device, no CUDA graphs. Each method names the funct
 
 malloc(size, stream):
   round_size (512 B, or roundup_power2_divisions) -> get_pool (small <= 1 MiB, else large)
-  -> get_allocation_size (2 MiB small segment; 20 MiB below 10 MiB; else up to 2 MiB)
+  -> get_allocation_size (2 MiB small segment; large_segment_size, 20 MiB, below 10 MiB; else up to 2 MiB)
   -> get_free_block (best fit on this stream; max_split_size's oversize rules)
-  -> else alloc_block (cudaMalloc; or map pages of an expandable segment)
+  -> else alloc_block (cudaMalloc; or map pages of an expandable segment; refused past the memory fraction)
      -> else release_available_cached_blocks (only with max_split_size: free oversize blocks) + alloc_block
      -> else release_cached_blocks (free every unsplit cached segment) + alloc_block, counted as a retry
      -> else out of memory
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from experiments.allocator.blocks import Block, BlockPool, ExpandableSegment
 from experiments.allocator.config import AllocatorConfig
 from experiments.allocator.device import Device
-from experiments.allocator.sizes import (K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE, SIZE_MAX,
-                                         get_allocation_size, is_small, round_size)
+from experiments.allocator.sizes import (K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE, SIZE_MAX, get_allocation_size,
+                                         is_small, round_size)
 
 
 class OutOfMemory(RuntimeError):
@@ -70,6 +70,10 @@ class CachingAllocator:
                  segment_addresses: list[tuple[int, int]] | None = None) -> None:
         self.config = config or AllocatorConfig()
         self.device = Device(capacity, segment_addresses)
+        # setMemoryFraction (from per_process_memory_fraction): allowed_memory_maximum is fraction x
+        # totalGlobalMem, for which the capacity stands; an unbounded device has nothing to take a fraction of
+        fraction = self.config.per_process_memory_fraction
+        self.allowed_memory_maximum = int(fraction * capacity) if capacity is not None and fraction < 1.0 else None
         self.large_blocks, self.small_blocks = BlockPool(False), BlockPool(True)
         self.expandable_segments: list[ExpandableSegment] = []
         self.stats = Stats.zero()
@@ -80,7 +84,7 @@ class CachingAllocator:
         cfg = self.config
         size = round_size(orig_size, cfg.divisions(orig_size))
         pool = self.small_blocks if is_small(size) else self.large_blocks
-        alloc_size = get_allocation_size(size)
+        alloc_size = get_allocation_size(size, cfg.large_segment_size)
         block = self.get_free_block(pool, stream, size)
         if block is None:
             block = self.alloc_block(pool, stream, size, alloc_size, retry=False)
@@ -150,6 +154,9 @@ class CachingAllocator:
         """alloc_block: a new segment from cudaMalloc (or pages mapped into an expandable one)."""
         if retry:
             self.stats.num_alloc_retries += 1
+        if self.allowed_memory_maximum is not None and \
+                self.stats.reserved_bytes.current + alloc_size > self.allowed_memory_maximum:
+            return None  # past the fraction (total_allocated_memory + size): as if cudaMalloc had failed
         if self.config.expandable_segments:
             return self.try_allocate_expandable_block(stream, pool, size)
         addr = self.device.cuda_malloc(alloc_size)
@@ -249,7 +256,7 @@ class CachingAllocator:
     def find_expandable_block(self, stream: int, pool: BlockPool, size: int) -> Block:
         """find_expandable_block: the lowest address on this stream with `size` bytes of free and
         unmapped room, or a new segment's whole unmapped range (address space for 1 1/8 of the
-        device's memory, in 2 MiB pages for the small pool and 20 MiB for the large)."""
+        device's memory, in 2 MiB pages for the small pool and large_segment_size for the large)."""
         def allocatable(b: Block | None) -> bool:
             return b is not None and not b.allocated
 
@@ -269,7 +276,7 @@ class CachingAllocator:
             if has_room(c):
                 return c
             i += 1
-        page = K_SMALL_BUFFER if pool.is_small else K_LARGE_BUFFER
+        page = K_SMALL_BUFFER if pool.is_small else self.config.large_segment_size
         total = self.device.total_memory
         pages = -(-(total + total // 8) // page)
         segment = ExpandableSegment(stream, self.device.reserve_address_space(pages * page), page, pages)

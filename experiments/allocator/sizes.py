@@ -5,6 +5,8 @@
     kSmallBuffer   2 MiB    a small-pool segment (get_allocation_size); an expandable small page
     kMinLargeAlloc 10 MiB   requests below it take a kLargeBuffer segment
     kLargeBuffer   20 MiB   a shared large segment; an expandable large page; max_non_split_rounding's default
+                            (torch 2.13: AcceleratorAllocatorConfig::large_segment_size(), 20 MiB unless
+                            large_segment_size_mb sets it; K_LARGE_BUFFER is that default)
     kRoundLarge    2 MiB    larger requests' segments are rounded up to it
 """
 from __future__ import annotations
@@ -41,13 +43,13 @@ def round_size(size: int, divisions: int = 0) -> int:
     return K_MIN_BLOCK_SIZE * -(-size // K_MIN_BLOCK_SIZE)
 
 
-def get_allocation_size(size: int) -> int:
+def get_allocation_size(size: int, large_segment_size: int = K_LARGE_BUFFER) -> int:
     """DeviceCachingAllocator::get_allocation_size: the segment cudaMalloc'd for a (rounded)
     request no cached block serves."""
     if size <= K_SMALL_SIZE:
         return K_SMALL_BUFFER
     if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
+        return large_segment_size
     return K_ROUND_LARGE * -(-size // K_ROUND_LARGE)
 
 
