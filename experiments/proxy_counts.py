@@ -44,6 +44,8 @@ class PhaseCounts:
     collective_elements: int = 0
     non_gemm_bytes: int = 0
     ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # kernel ops by name
+    views: int = 0  # views and metadata ops (NO_KERNEL): dispatched, no kernel; not in as_dict
+    view_ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # (collective kind, bytes of the buffer a collective model prices): calls
     collective_calls: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
 
@@ -96,6 +98,8 @@ class OpCounter(TorchDispatchMode):
             c.host_syncs += 1
             return out
         if func.is_view or func in NO_KERNEL:
+            c.views += 1
+            c.view_ops[func.__name__] += 1
             return out
         c.kernels += 1
         c.ops[func.__name__] += 1

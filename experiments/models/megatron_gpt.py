@@ -78,8 +78,9 @@ def initialize_parallel(tp: int, seed: int = 1234, timeout_s: float = 1800.0) ->
 
 
 def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED,
-              dtype: torch.dtype = torch.float32, layer_spec: str = "local") -> GPTModel:
-    """megatron-core GPTModel of `shape` for the current TP degree, no dropout.
+              dtype: torch.dtype = torch.float32, layer_spec: str = "local", dropout: float = 0.0) -> GPTModel:
+    """megatron-core GPTModel of `shape` for the current TP degree, no dropout (`dropout`: its
+    hidden and attention dropout, as Megatron trains by default at 0.1; for counting what it issues).
 
     dtype: megatron's params_dtype, the dtype its linear layers and embeddings are built in;
     build in the training dtype so the model never exists in fp32 at full size (its LayerNorms
@@ -96,7 +97,7 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
     shape.check_tp(tp)
     with warnings.catch_warnings():  # megatron 0.16 warns about a CUDA-graph default it sets itself
         warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
-        config = transformer_config(shape, tp, recompute, dtype)
+        config = transformer_config(shape, tp, recompute, dtype, dropout)
     # Megatron's own draw (in construction order, from the global generator) would be
     # overwritten: build with no-op init methods (its CPU initialization still allocates each
     # weight and marks its TP attributes), then draw every parameter by name.
@@ -121,7 +122,8 @@ def _skip_init(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.dtype,
+                       dropout: float = 0.0) -> TransformerConfig:
     """megatron-core's TransformerConfig for `shape` at TP `tp`, as build_gpt builds it."""
     # fp16/bf16 as Megatron trains: its softmax then runs on scores upcast to fp32
     # (attention_softmax_in_fp32), and returns probabilities in the training dtype
@@ -130,7 +132,7 @@ def transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.d
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         # megatron's "CPU" initialization allocates on the default device (no device= of its own)
         tensor_model_parallel_size=tp, use_cpu_initialization=True, init_method_std=INIT_STD,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=dropout, attention_dropout=dropout,
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None)

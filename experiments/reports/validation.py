@@ -12,8 +12,9 @@ node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
   the rule 'the smallest TP' (right in every family here: this set cannot test ranking where a
   larger TP wins), and the error of the predicted step-time ratio between every pair of a
   family's TP degrees (what the set can test; the planner's margin, expected_error.pair_ratio_p90).
-- `host_constants`: the two host costs of megatron_ds2023 measured on the development set, each
-  one physical quantity (systems.MEGATRON_DS2023_HOST_S_PER_*; a test keeps them equal):
+- `host_constants`: the two host costs of megatron_ds2023 derived from the development set
+  (systems.MEGATRON_DS2023_HOST_S_PER_*; a test keeps them equal); neither passes as one
+  physical quantity (below):
   - per kernel: the rows at TP 1, micro-batch 1, hidden 1024 (the smallest work per kernel: the
     host issues while the GPU idles) give the step's slope over the layer count per micro-batch
     (a least-squares line through (layers, ms / micro-batches) for each DP degree and global
@@ -22,8 +23,9 @@ node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
   - per collective call: the same slope at TP 2, micro-batch 1, hidden 1024, minus the same
     layer's kernels at the per-kernel cost, over the layer's 6 TP all-reduce calls.
   Neither is host time alone: the first is a layer's issue time over the kernels counted (6-10x
-  PyTorch's per-op cost, PYTORCH_PER_OP_US), the second a residual that also holds the all-reduce
-  time NCCL's tuner under-prices (host_constants_table sets both checks beside them).
+  PyTorch's per-op cost, PYTORCH_PER_OP_US; over every op the layer sends the dispatcher, views
+  included, host_ops.LAYER_HOST_OPS, still 1.9-3.6x), the second a residual that also holds the
+  all-reduce time NCCL's tuner under-prices (host_constants_table sets both checks beside them).
 - `nccl_check`: NCCL 2.14.3's tuning model (nccl.py) beside vTrain's nccl-tests all-reduce times on
   its A100 node (results/external/vtrain_a100_allreduce.csv).
 """
@@ -42,6 +44,7 @@ from experiments.analysis import step_time as st
 from experiments.analysis.expected_error import pair_ratio_errors, quantile, tp_families
 from experiments.analysis.hardware import profile
 from experiments.analysis.nccl import Nccl
+from experiments.reports.host_ops import LAYER_HOST_OPS, layer_host_ops
 from experiments.records import REPO
 
 DEV_SET_CSV = REPO / "results" / "external" / "vtrain_a100_single_node.csv"
@@ -204,7 +207,8 @@ def host_constants() -> dict[str, float]:
     per_collective = (_layer_slope_s(2) - kernels_per_layer(2) * per_kernel) / TP_ALLREDUCE_CALLS_PER_LAYER
     return {"host_us_per_kernel": round(per_kernel * 1e6, 1), "host_us_per_collective": round(per_collective * 1e6, 1),
             "layer_slope_ms_tp1": _layer_slope_s(1) * 1e3, "layer_slope_ms_tp2": _layer_slope_s(2) * 1e3,
-            "kernels_per_layer": kernels_per_layer(1)}
+            "kernels_per_layer": kernels_per_layer(1), "host_ops_per_layer": layer_host_ops(),
+            "host_us_per_op": round(_layer_slope_s(1) / layer_host_ops() * 1e6, 1)}
 
 
 # PyTorch's own host cost of one op with autograd, the microbenchmark the per-kernel constant is
@@ -219,6 +223,8 @@ def host_constants_table() -> pd.DataFrame:
     c = host_constants()
     slopes = layer_slopes_table().set_index(["tp", "micro_batch"])["ratio"]
     low, high = (c["host_us_per_kernel"] / us for us in reversed(PYTORCH_PER_OP_US))
+    op_low, op_high = (c["host_us_per_op"] / us for us in reversed(PYTORCH_PER_OP_US))
+    launching = sum(LAYER_HOST_OPS[p]["kernels"] for p in LAYER_HOST_OPS)
     [ar] = [r for r in nccl_check().to_dict("records") if r["gpus"] == 2 and r["MiB"] == 2]
     return pd.DataFrame([
         {"constant": "host seconds per kernel (us)", "value": c["host_us_per_kernel"],
@@ -227,7 +233,10 @@ def host_constants_table() -> pd.DataFrame:
          "what it holds": "the host time a layer's issue takes, divided by the kernels the model counts: every "
                           "Python-level operation around them, and whatever else the slope holds",
          "check": f"{low:.1f}-{high:.1f}x PyTorch's per-op cost ({PYTORCH_PER_OP_US[0]}-{PYTORCH_PER_OP_US[1]:g} us): "
-                  f"fails as a per-kernel cost; the model gives {slopes[(1, 1)]:.3f}x the slope it came from"},
+                  f"fails as a per-kernel cost; over the {c['host_ops_per_layer']} ops a layer sends the dispatcher "
+                  f"({launching} launch a kernel, the rest views, metadata and syncs; megatron-core 0.16.1's layer on "
+                  f"the CPU, a proxy: host_ops.py) it is {c['host_us_per_op']:.1f} us an op, {op_low:.1f}-{op_high:.1f}x: "
+                  f"fails as a per-op cost too; the model gives {slopes[(1, 1)]:.3f}x the slope it came from"},
         {"constant": "host seconds per collective call (us)", "value": c["host_us_per_collective"],
          "measured as": f"TP 2, micro-batch 1, hidden 1024: {c['layer_slope_ms_tp2']:.3f} ms a layer, less its "
                         f"kernels at the per-kernel cost, over {TP_ALLREDUCE_CALLS_PER_LAYER} all-reduce calls",

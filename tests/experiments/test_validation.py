@@ -1,6 +1,7 @@
 """The mechanisms the A100 development set needs, each worked by hand (the host model's windows,
 NCCL 2.14.3's tuner on an A100 node, the GEMM pipeline's short-k loss, Megatron's softmax
-fallback), the host costs equal to their measurement, and the validation's verdicts."""
+fallback), the host costs equal to their measurement, the host ops a layer dispatches (the per-op
+check), and the validation's verdicts."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,7 +13,7 @@ from experiments.analysis import step_time as st
 from experiments.analysis import systems
 from experiments.analysis.gemm import TILES_SM80, TileWaveGemm
 from experiments.analysis.hardware import profile
-from experiments.reports import validation
+from experiments.reports import host_ops, validation
 
 
 def test_a_window_runs_each_launch_when_both_host_and_gpu_are_ready():
@@ -98,6 +99,31 @@ def test_the_host_costs_are_their_measurement_on_the_development_set():
     assert systems.MEGATRON_DS2023_HOST_S_PER_KERNEL == pytest.approx(measured["host_us_per_kernel"] * 1e-6)
     assert systems.MEGATRON_DS2023_HOST_S_PER_COLLECTIVE == pytest.approx(measured["host_us_per_collective"] * 1e-6)
     assert measured["kernels_per_layer"] == 77
+
+
+def test_the_layers_host_ops_are_what_the_dispatch_mode_counts():
+    # megatron-core 0.16.1's GPT layer on the CPU, TP 1, recomputation, dropout: one layer, one micro-batch
+    counted = host_ops.count_layer_ops(detail=True)
+    assert {p: {k: c[k] for k in host_ops.KINDS} for p, c in counted.items()} == host_ops.LAYER_HOST_OPS
+    fwd, rec, bwd = (counted[p]["ops"] for p in host_ops.PHASES)
+    # the forward's GEMMs: QKV, projection, MLP up and down (mm), scores (baddbmm), context (bmm)
+    assert (fwd["mm.default"], fwd["baddbmm.default"], fwd["bmm.default"]) == (4, 1, 1)
+    assert rec["mm.default"] == 4 and rec["bernoulli_.float"] == 3   # recomputed: its 3 dropouts redrawn too
+    # backward: two GEMMs per forward GEMM (8 mm, 4 bmm), a gradient added per parameter (12)
+    assert (bwd["mm.default"], bwd["bmm.default"], bwd["add_.Tensor"]) == (8, 4, 12)
+    assert host_ops.layer_host_ops() == 66 + 67 + 95 == 228
+
+
+def test_the_per_op_host_cost_by_hand():
+    c = validation.host_constants()
+    # 3.073 ms a layer a micro-batch over 228 host ops: 13.48 us; over the model's 77 kernels: 39.9 us
+    assert c["layer_slope_ms_tp1"] == pytest.approx(3.073, abs=5e-4) and c["host_ops_per_layer"] == 228
+    assert c["host_us_per_op"] == round(3.0728445937 / 228 * 1e3, 1) == 13.5
+    assert c["host_us_per_kernel"] == round(3.0728445937 / 77 * 1e3, 1) == 39.9
+    # against PyTorch's 3.8-7 us: 13.5 / 7 = 1.93, 13.5 / 3.8 = 3.55: the per-op check fails too
+    check = validation.host_constants_table().set_index("constant").loc["host seconds per kernel (us)", "check"]
+    assert "13.5 us an op, 1.9-3.6x: fails as a per-op cost too" in check
+    assert "over the 228 ops a layer sends the dispatcher (104 launch a kernel" in check
 
 
 def test_the_development_set_is_the_copied_file():
