@@ -5,14 +5,14 @@
 
 Micro-benchmarks (experiments/calibration/): GEMM throughput at the shapes the CPU sweep's
 tiny_* models run plus a square sweep, streaming bandwidth, the per-op floor through autograd,
-and gloo's loopback collectives at the world sizes this machine's cores can run, all at the
+and gloo's loopback collectives at the world sizes this machine's cores can run (and how much of
+one issued async hides under the rank's compute), all at the
 ranks' one thread. The file is generated, ignored by git, and describes this host only;
 experiments/analysis/calibrated.py loads it as a Hardware profile, and `experiments/report.py`
 checks the model's predictions against the sweep's measured step times with it.
 """
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from pathlib import Path
@@ -22,10 +22,15 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import yaml
 
-from experiments.analysis.calibrated import kernel_floor_s
+from experiments.analysis.calibrated import default_path, kernel_floor_s
 from experiments.calibration.profile import measure_profile
 
-DEFAULT_DIR = Path(__file__).resolve().parents[1] / "results" / "calibration"
+def overlap_line(profile: dict) -> str:
+    """The measured hidden fractions of async collectives under compute, per world and kind."""
+    parts = [f"world {w} {kind} {v['hidden_fraction']:.2f} ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
+             for w, kinds in profile.get("collective_overlap", {}).items() for kind, v in kinds.items()]
+    return ("\nfraction of an async collective hidden under compute (median, range over repeats): " + ", ".join(parts)
+            if parts else "")
 
 
 def main(argv: list[str]) -> int:
@@ -37,7 +42,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"error: unknown argument(s) {sorted(unknown)}; allowed: out=<path.yaml>", file=sys.stderr)
         return 2
-    out = Path(args.get("out", DEFAULT_DIR / f"{socket.gethostname()}.yaml"))
+    out = Path(args.get("out", default_path()))
     began = time.monotonic()
     profile = measure_profile()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -50,7 +55,7 @@ def main(argv: list[str]) -> int:
           f"spread over {profile['spread']['rounds']} rounds, (max - min) / median: GEMM rates median "
           f"{profile['spread']['gemm_median']:.0%} (largest {profile['spread']['gemm_max']:.0%}), stream "
           f"{profile['spread']['stream']:.0%}, op floor {profile['spread']['op_floor_forward']:.0%}, framework step "
-          f"{profile['spread']['framework_step']:.0%}")
+          f"{profile['spread']['framework_step']:.0%}" + overlap_line(profile))
     return 0
 
 

@@ -32,6 +32,11 @@ def compose() -> Callable[..., DictConfig]:
     return compose_sweep
 
 
+# A developer's own `make calibrate` profile (results/calibration/<host>.yaml) must change no
+# verdict: the suite sees an empty calibration folder (tests that need a profile write their own).
+os.environ["ZERO_REPRO_CALIBRATION_DIR"] = str(Path(__file__).resolve().parent / ".no_calibration")
+
+
 # `make test-timing`: the suite's duration by tier, written where README.md pastes it from
 # (ZERO_REPRO_TIMING=<file.md>; a plain `make test` writes nothing).
 TIERS = (("every test", None), ("marked slow", "slow"), ("marked slurm (a real Slurm)", "slurm"),

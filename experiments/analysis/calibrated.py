@@ -8,8 +8,9 @@ every constant. No constant here holds anywhere else.
 from __future__ import annotations
 
 import math
+import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -47,9 +48,18 @@ class MeasuredGemm:
 class MeasuredCollectives:
     """latency + nbytes / bandwidth per kind at each measured world size (gloo over loopback,
     every rank on this host: ranks_per_node changes nothing). `concurrent` groups share the
-    loopback: their bytes queue behind each other. One rank: 0 s."""
+    loopback: their bytes queue behind each other. One rank: 0 s.
+
+    `hidden`: per world and kind, the measured fraction of a collective issued async that the
+    rank's concurrent compute hides (calibration/collectives.measure_overlap): gloo copies and
+    reduces on the cores the ranks compute on, so on a CPU host little of it hides. A kind or
+    world not measured (a profile from before the measurement): 1, the GPU's assumption."""
 
     fits: dict[int, dict[str, tuple[float, float]]]  # world -> kind -> (latency s, bytes/s)
+    hidden: dict[int, dict[str, float]] = field(default_factory=dict)  # world -> kind -> fraction
+
+    def hidden_fraction(self, kind: str, ranks: int) -> float:
+        return self.hidden.get(ranks, {}).get(kind, 1.0)
 
     def time_s(self, kind: str, nbytes: float, ranks: int, ranks_per_node: int, concurrent: int = 1) -> float:
         if kind not in COLLECTIVE_KINDS:
@@ -64,8 +74,10 @@ class MeasuredCollectives:
 
 
 def default_path() -> Path:
-    """Where `make calibrate` writes this host's profile."""
-    return CALIBRATION_DIR / f"{socket.gethostname()}.yaml"
+    """Where `make calibrate` writes this host's profile: results/calibration/<hostname>.yaml, or
+    under $ZERO_REPRO_CALIBRATION_DIR (the test suite names an empty folder there, so that a
+    developer's own profile changes no test's verdict)."""
+    return Path(os.environ.get("ZERO_REPRO_CALIBRATION_DIR") or CALIBRATION_DIR) / f"{socket.gethostname()}.yaml"
 
 
 def load_profile(path: str | Path) -> dict:
@@ -97,6 +109,8 @@ def hardware_from_profile(p: dict) -> Hardware:
     peak = max(r for *_, r in gemm)
     fits = {int(w): {kind: (v["latency_s"], v["bytes_per_s"]) for kind, v in kinds.items()}
             for w, kinds in p["collectives"].items()}
+    hidden = {int(w): {kind: v["hidden_fraction"] for kind, v in kinds.items()}
+              for w, kinds in (p.get("collective_overlap") or {}).items()}
     stream = p["stream"]["bytes_per_s"]
     return Hardware(
         name=f"calibrated:{p['host']}", peak_flops=peak,
@@ -104,7 +118,7 @@ def hardware_from_profile(p: dict) -> Hardware:
         kernel_floor_s=kernel_floor_s(p["framework"]),
         gpus_per_node=int(p["cpu_count"]),  # ranks per host: every rank is a process here
         pcie_bytes_per_s=stream,  # "host <-> device" is a copy within the same memory
-        gemm=MeasuredGemm(gemm, peak), collectives=MeasuredCollectives(fits),
+        gemm=MeasuredGemm(gemm, peak), collectives=MeasuredCollectives(fits, hidden),
         sources={"peak_flops": f"best GEMM rate of {len(gemm)} shapes, {where}",
                  "hbm_bytes_per_s": f"out = a + b over {p['stream']['array_bytes']} B arrays, {where}",
                  "hbm_fraction": "1: the streaming rate is measured, not a datasheet peak",
@@ -113,7 +127,9 @@ def hardware_from_profile(p: dict) -> Hardware:
                  "gpus_per_node": "os.cpu_count(): the ranks of one host",
                  "pcie_bytes_per_s": "the streaming rate: host and device share one memory",
                  "gemm": f"interpolated GEMM table, {where}",
-                 "collectives": f"gloo loopback, worlds {sorted(fits)}, {where}"})
+                 "collectives": f"gloo loopback, worlds {sorted(fits)}, {where}; fraction hidden under compute "
+                                + (", ".join(f"world {w} {k} {h:.2f}" for w, ks in hidden.items() for k, h in ks.items())
+                                   or "not measured (1 assumed)")})
 
 
 def load_calibrated(path: str | Path) -> Hardware:

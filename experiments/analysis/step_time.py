@@ -20,7 +20,9 @@ Per GPU and per step, with g micro-batches accumulated:
   forward (System.param_gather_overlap, zero_repro with overlap_comm): then exposed = max(the
   first gather, their sum - that forward's compute), the first layer waiting for its bucket;
   stage 3's per-layer gathers (the root's once where the system keeps it) prefetched under the
-  micro-batch's compute. The gradient copies around them (flatten, divide, bucket copies) are
+  micro-batch's compute. Only the part of a collective its CollectiveModel says compute can
+  hide is hidden (a calibrated CPU host measures it: gloo shares the ranks' cores; NCCL: all).
+  The gradient copies around them (flatten, divide, bucket copies) are
   memory-bound passes, counted in compute_memory_bound and kernel_floors.
 - Pa: each layer's checkpoint all-gathered over the TP group before its recomputation; Pa+cpu:
   its partition to the host in forward and back in backward over PCIe; exposed.
@@ -278,26 +280,47 @@ def plan(x: StepInputs, system: str | System) -> DpPlan:
                    root=min(root_elements(x), x.psi))
 
 
+def hideable(hw: Hardware, calls: tuple[tuple[str, float], ...], group: tuple[int, int, int]) -> tuple[list[float], float]:
+    """calls' seconds split by what concurrent compute can hide: (each call's hideable seconds,
+    the seconds no compute hides). The collective model's measured fraction where it has one
+    (a calibrated CPU host: gloo works on the cores the ranks compute on, calibrated.py), else
+    all of it (a GPU: NCCL moves bytes beside the SMs' compute)."""
+    fraction = getattr(hw.collectives, "hidden_fraction", None)
+    hidden, core = [], 0.0
+    for kind, nbytes in calls:
+        seconds = _collective(hw, kind, nbytes, group)
+        h = 1.0 if fraction is None or group[0] <= 1 else fraction(kind, group[0])
+        hidden.append(h * seconds)
+        core += (1.0 - h) * seconds
+    return hidden, core
+
+
 def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str, ComputeTime]) -> dict[str, float]:
-    """Raw and exposed DP seconds per step under the system's overlap (module docstring)."""
+    """Raw and exposed DP seconds per step under the system's overlap (module docstring). Of a
+    collective issued under compute only its hideable part (hideable) can hide; the rest adds."""
     p, group, sys = plan(x, system), dp_group(x, hw), resolve_system(system)
     overlap = sys.overlap if x.overlap is None else x.overlap
     grads = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.grad_calls]
     after_calls = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_after_step]
     after = sum(after_calls)
-    # waited on by the next forward's modules: hidden behind its compute but the first bucket's
-    exposed_after = max(after_calls[0], after - phases["forward"].total_s) \
+    hid_grads, core_grads = hideable(hw, p.grad_calls, group)
+    hid_after, core_after = hideable(hw, p.param_calls_after_step, group)
+    # waited on by the next forward's modules: hidden behind its compute but the first bucket's (the embeddings')
+    exposed_after = core_after + max(hid_after[0], sum(hid_after) - phases["forward"].total_s) \
         if after_calls and sys.param_gather_overlap and overlap else after
     gathers = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_per_micro_batch]
+    hid_gathers, core_gathers = hideable(hw, p.param_calls_per_micro_batch, group)
     backward = phases["recompute"].total_s + phases["backward"].total_s
     micro = backward + phases["forward"].total_s
     if gathers:   # stage 3: gathers prefetched and gradients reduced under the micro-batch's compute
         hidden_under = micro if overlap else micro - backward
-        exposed_grads = sum(grads) if not overlap else 0.0
-        per_micro = exposed_grads + max(gathers[0] + (grads[-1] if overlap and grads else 0.0),
-                                        sum(gathers) + (sum(grads) if overlap else 0.0) - hidden_under)
+        exposed_grads = sum(grads) if not overlap else core_grads
+        per_micro = exposed_grads + core_gathers + max(
+            hid_gathers[0] + (hid_grads[-1] if overlap and grads else 0.0),
+            sum(hid_gathers) + (sum(hid_grads) if overlap else 0.0) - hidden_under)
     else:
-        per_micro = (max(grads[-1], sum(grads) - backward) if overlap else sum(grads)) if grads else 0.0
+        per_micro = (core_grads + max(hid_grads[-1], sum(hid_grads) - backward) if overlap else sum(grads)) \
+            if grads else 0.0
     reductions = p.grad_reductions if (grads or gathers) else 0
     return {"grad_s": sum(grads) * p.grad_reductions, "param_s": after + sum(gathers) * x.grad_accum,
             "exposed_s": per_micro * reductions + exposed_after, "after_step_s": after,

@@ -6,6 +6,12 @@ Sizes follow the suite's counting convention (experiments/analysis/hardware.py):
 reduce and broadcast the tensor, reduce_scatter its full input, all_gather its full output.
 Each size is timed `repeats` times between barriers on the wall clock (a collective waits for
 its peers: no CPU clock sees that), the slowest rank's time per repeat, then the median.
+
+measure_overlap: how much of a collective hides under the rank's own compute. On a GPU NCCL
+moves bytes on its own stream while the SMs compute; on a CPU rank gloo's threads copy, reduce
+and push bytes through loopback TCP on the same cores the ranks compute on (one rank per core
+here), so a collective issued async during compute may hide little or nothing. Measured per
+kind as the step issues it (async, then the rank computes, then waits).
 """
 from __future__ import annotations
 
@@ -63,6 +69,82 @@ def fit(times: dict[int, float]) -> dict[str, float]:
     latency = statistics.median(t for n, t in times.items() if n <= LATENCY_UP_TO)
     rates = [n / max(t - latency, 1e-12) for n, t in times.items() if n >= BANDWIDTH_FROM]
     return {"latency_s": latency, "bytes_per_s": statistics.median(rates)}
+
+
+# bandwidth-bound, as the stage-3 gathers and reduce-scatters of the sweep's tiny_* models (0.2-2 MB),
+# and long (6-10 ms here) against the timings' noise, which the fraction is a difference of
+OVERLAP_BYTES = 2 ** 23
+OVERLAP_GEMM = 256       # the compute: OVERLAP_GEMM_CALLS square fp32 GEMMs of this size (~15 ms here, longer
+OVERLAP_GEMM_CALLS = 40  # than any of the collectives at OVERLAP_BYTES: the whole collective could hide under it)
+OVERLAP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # the kinds the engine issues async
+
+
+def hidden_fraction(compute_s: float, collective_s: float, together_s: float) -> float:
+    """The fraction of a collective that concurrent compute hides: (compute alone + collective
+    alone - both together) / collective alone, within [0, 1] (1: the collective costs nothing
+    beside the compute; 0: it adds its whole time)."""
+    return min(1.0, max(0.0, (compute_s + collective_s - together_s) / collective_s))
+
+
+def _rank_overlap(kinds: tuple[str, ...], nbytes: int, repeats: int) -> dict:
+    """On every rank: {kind: {"compute", "collective", "together": [seconds per repeat]}}."""
+    world, out = dist.get_world_size(), {}
+    a, b, c = (torch.randn(OVERLAP_GEMM, OVERLAP_GEMM) for _ in range(3))
+
+    def compute() -> None:
+        for _ in range(OVERLAP_GEMM_CALLS):
+            torch.mm(a, b, out=c)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        began = time.perf_counter()
+        fn()
+        return time.perf_counter() - began
+    for kind in kinds:
+        part = torch.empty(nbytes // 4 // world)
+        full = torch.ones(part.numel() * world)
+
+        def issue(async_op: bool):
+            if kind == "all_reduce":
+                return dist.all_reduce(full, async_op=async_op)
+            if kind == "reduce_scatter":
+                return dist.reduce_scatter_single(part, full, async_op=async_op)
+            return dist.all_gather_single(full, part, async_op=async_op)
+
+        def together() -> None:
+            work = issue(True)
+            compute()
+            work.wait()
+        compute()  # warm: gloo's pairs connect and buffers register on first use
+        issue(False)
+        together()
+        samples = {"compute": [], "collective": [], "together": []}
+        for _ in range(repeats):  # interleaved: a burst of other work lands on all three
+            samples["compute"].append(timed(compute))
+            samples["collective"].append(timed(lambda: issue(False)))
+            samples["together"].append(timed(together))
+        out[kind] = samples
+    return out
+
+
+def measure_overlap(world: int, repeats: int = 15, kinds: tuple[str, ...] = OVERLAP_KINDS,
+                    nbytes: int = OVERLAP_BYTES) -> dict:
+    """{kind: {"hidden_fraction", "range", "nbytes", "compute_s", "collective_s", "together_s"}}:
+    per repeat the slowest rank's three times; kept, their medians over the repeats and the
+    hidden_fraction of those, and `range`, the smallest and largest fraction of one repeat's
+    three times (the spread)."""
+    ranks = spawn(_rank_overlap, world, kinds, nbytes, repeats, backend="gloo", timeout=300)
+    result = {}
+    for kind in kinds:
+        slowest = {part: [max(r[kind][part][i] for r in ranks) for i in range(repeats)]
+                   for part in ("compute", "collective", "together")}
+        fractions = [hidden_fraction(*(slowest[p][i] for p in ("compute", "collective", "together")))
+                     for i in range(repeats)]
+        medians = {part: statistics.median(v) for part, v in slowest.items()}
+        result[kind] = {"hidden_fraction": hidden_fraction(medians["compute"], medians["collective"], medians["together"]),
+                        "range": [min(fractions), max(fractions)], "nbytes": nbytes,
+                        **{f"{p}_s": v for p, v in medians.items()}}
+    return result
 
 
 def measure(world: int, repeats: int = 15, kinds: tuple[str, ...] = KINDS, sizes: tuple[int, ...] = SIZES) -> dict:

@@ -76,6 +76,10 @@ def measure_profile(worlds: list[int] | None = None, rounds: int = ROUNDS) -> di
     work = framework.measure()
     spreads["framework_step"] = work.pop("spread")
     worlds = runnable_worlds() if worlds is None else worlds
+    overlap = {w: collectives.measure_overlap(w) for w in worlds}
+    if overlap:  # how far apart the repeats' hidden fractions were (a fraction: absolute, not relative)
+        spreads["collective_overlap"] = round(max(v["range"][1] - v["range"][0]
+                                                  for kinds in overlap.values() for v in kinds.values()), 4)
     return {
         "host": socket.gethostname(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -88,4 +92,5 @@ def measure_profile(worlds: list[int] | None = None, rounds: int = ROUNDS) -> di
         "gemm": measured["gemm"],
         "spread": spreads,
         "collectives": {w: collectives.measure(w) for w in worlds},
+        "collective_overlap": overlap,
     }

@@ -169,3 +169,42 @@ def test_the_profile_keeps_the_median_of_its_rounds_and_reports_their_spread():
     note = spread_note({"spread": {**spreads, "framework_step": 0.05}})
     assert note == "; the profile's spread over 3 rounds: GEMM rates 30% (largest 30%), stream 40%, framework step 5%"
     assert spread_note({}) == ""
+
+
+def test_hidden_fraction_is_what_compute_saves_of_the_collective():
+    # compute 10 ms, collective 4 ms: together 10 ms hides all of it, 14 ms none, 12 ms half
+    assert collectives.hidden_fraction(0.010, 0.004, 0.010) == pytest.approx(1.0)
+    assert collectives.hidden_fraction(0.010, 0.004, 0.014) == pytest.approx(0.0)
+    assert collectives.hidden_fraction(0.010, 0.004, 0.012) == pytest.approx(0.5)
+    assert collectives.hidden_fraction(0.010, 0.004, 0.016) == 0.0   # slower together than apart: none hidden
+    assert collectives.hidden_fraction(0.010, 0.004, 0.009) == 1.0   # faster than compute alone: all
+
+
+def test_measured_hidden_fraction_exposes_the_part_compute_cannot_hide():
+    from dataclasses import replace as dc_replace
+    from experiments.analysis import step_time as st
+    profile = {**PROFILE, "collective_overlap": {2: {k: {"hidden_fraction": 0.25, "range": [0.2, 0.3]}
+                                                     for k in collectives.OVERLAP_KINDS}}}
+    hw = calibrated.hardware_from_profile(profile)
+    assert hw.collectives.hidden_fraction("all_gather", 2) == 0.25
+    assert hw.collectives.hidden_fraction("all_gather", 4) == 1.0      # not measured: the GPU's assumption
+    assert calibrated.hardware_from_profile(PROFILE).collectives.hidden_fraction("all_gather", 2) == 1.0
+    # two all-gathers of 1 MB at world 2: 1e-4 + 1e6 / 1e9 = 1.1 ms each; a quarter hideable
+    hidden, core = st.hideable(hw, (("all_gather", 1e6), ("all_gather", 1e6)), (2, 2, 1))
+    assert hidden == pytest.approx([0.275e-3, 0.275e-3]) and core == pytest.approx(2 * 0.825e-3)
+    # stage 3 at world 2 (a tiny_s-like shape): its gathers and reduce-scatters under the
+    # micro-batch's compute, which covers every hideable second, so exposed = what cannot hide
+    # + the first gather's and the last reduce-scatter's hideable part (step_time.dp_comm)
+    x = st.StepInputs(layers=2, hidden=64, heads=4, seq_len=64, vocab=1024, micro_batch=4, tp=1, dp=2, stage=3,
+                      psi=169728.0, element_bytes=4, overlap=True)
+    phases = st.micro_batch_compute(x, hw, "zero_repro")
+    p = st.plan(x, "zero_repro")
+    gathers = [hw.collectives.time_s(k, n, 2, 2) for k, n in p.param_calls_per_micro_batch]
+    grads = [hw.collectives.time_s(k, n, 2, 2) for k, n in p.grad_calls]
+    micro = sum(ph.total_s for ph in phases.values())
+    assert 0.25 * (sum(gathers) + sum(grads)) < micro  # all the hideable part fits under the compute
+    expected = 0.75 * (sum(gathers) + sum(grads)) + 0.25 * (gathers[0] + grads[-1])
+    assert st.dp_comm(x, hw, "zero_repro", phases)["exposed_s"] == pytest.approx(expected * p.grad_reductions)
+    # with the fraction 1 (no measurement) the same point hides everything but those two calls
+    everything = st.dp_comm(x, calibrated.hardware_from_profile(PROFILE), "zero_repro", phases)["exposed_s"]
+    assert everything == pytest.approx((gathers[0] + grads[-1]) * p.grad_reductions)
