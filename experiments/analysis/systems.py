@@ -322,7 +322,10 @@ def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, ele
     else:
         grads = [("all_reduce" if stage == 0 else "reduce_scatter", b * e) for b in _chunks(psi, reduce_bucket)]
         if stage in (1, 2):
-            after = [("all_gather", b * e) for b in _chunks(psi, allgather_bucket)]
+            # in the next forward's order: the embeddings' bucket first (the root; a parameter
+            # larger than a bucket is a bucket of its own, layout.build_buckets), the layers' after
+            first = [root] if root > reduce_bucket else []
+            after = [("all_gather", b * e) for b in first + _chunks(psi - sum(first), allgather_bucket)]
         if stage == 3:   # each layer in forward and backward; the root too, or once where it is kept
             per_micro = [("all_gather", (psi - root) / layers * e)] * (2 * layers)
             if root:

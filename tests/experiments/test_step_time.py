@@ -250,7 +250,8 @@ def test_stage3_gathers_the_kept_root_once():
 def test_the_papers_13b_zero2_point_on_128_v100s_hides_the_post_step_gather():
     """Issue 30's done-when: the 13B ZeRO-2 point of Figure 4 (128 V100s, micro-batch 2), as
     predict.py prices it, has the post-step parameter gather off the critical path with this
-    engine (only the first bucket's wait, under 1% of the gather), and DeepSpeed 2020's exposed."""
+    engine (only the wait for the bucket the next forward needs first, the word embeddings' own:
+    about 1% of the gather), and DeepSpeed 2020's exposed."""
     from experiments.analysis.hardware import profile
     from experiments.reports import predictions
     point = next(p for p in predictions.paper_points("fig4") if p.model["name"] == "fig4_13b")
@@ -259,7 +260,12 @@ def test_the_papers_13b_zero2_point_on_128_v100s_hides_the_post_step_gather():
     ours = st.predict(st.point_inputs(point, "zero_repro"), hw, "zero_repro").as_dict()
     ds = st.predict(st.point_inputs(point, "deepspeed2020"), hw, "deepspeed2020").as_dict()
     assert ours["dp_param_after_step_s"] > 0.1   # Ψe over 128 ranks: a tenth of a second and more
-    assert ours["dp_param_after_step_exposed_s"] < 0.01 * ours["dp_param_after_step_s"]
+    x = st.point_inputs(point, "zero_repro")
+    embeddings = st.plan(x, "zero_repro").param_calls_after_step[0]
+    assert embeddings == ("all_gather", st.root_elements(x) * x.element_bytes)  # its own bucket, gathered first
+    assert ours["dp_param_after_step_exposed_s"] == pytest.approx(
+        hw.collectives.time_s("all_gather", embeddings[1], x.dp, hw.gpus_per_node))
+    assert ours["dp_param_after_step_exposed_s"] < 0.02 * ours["dp_param_after_step_s"]
     assert ours["terms"]["dp_comm_exposed"] < 0.01 * ours["step_s"]
     assert ds["dp_param_after_step_exposed_s"] == ds["dp_param_after_step_s"] > 0.1
     assert ds["terms"]["dp_comm_exposed"] >= ds["dp_param_after_step_s"]
