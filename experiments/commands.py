@@ -44,6 +44,12 @@ def python_command() -> str:
     return _spelled("python")
 
 
+def script_command(name: str, args: str = "") -> str:
+    """The repository's Python script `name` (experiments/sweep.py, ...) run with `args` by this
+    interpreter, as a command pasted here runs it."""
+    return f"{python_command()} {script(name)}" + (f" {args}" if args else "")
+
+
 def torchrun_command(nproc_per_node: int) -> str:
     """torchrun of this interpreter's environment, starting `nproc_per_node` local ranks."""
     return f"{_spelled('torchrun')} --nproc-per-node={nproc_per_node}"
@@ -53,11 +59,10 @@ def train_command(overrides: str, gpus: int, gpus_per_node: int) -> str:
     """experiments/train.py for one point, with the launcher it needs: none for one rank,
     torchrun for a node's worth; for several nodes slurm/launch.sh, which starts a torchrun per
     node of the Slurm allocation it runs in (sbatch slurm/run_point.sh makes one)."""
-    train = script("experiments/train.py")
     if gpus <= 1:
-        return f"{python_command()} {train} {overrides}"
+        return script_command("experiments/train.py", overrides)
     if gpus <= gpus_per_node:
-        return f"{torchrun_command(gpus)} {train} {overrides}"
+        return f"{torchrun_command(gpus)} {script('experiments/train.py')} {overrides}"
     return f"{script('slurm/launch.sh')} {overrides}   # inside a Slurm allocation of {gpus // gpus_per_node} nodes"
 
 

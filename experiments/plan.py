@@ -9,7 +9,9 @@ fast each will go (experiments/sweeps/plan.py does the work).
 
 Every ZeRO stage, TP degree, micro-batch, recomputation on/off and ZeRO-R Pa / Pa+cpu (TP > 1)
 is priced by the analytic memory model and the step-time model; the fastest candidates are then
-simulated at full world size until `confirm` of them fit. Prints the best rows that fit and the
+simulated at full world size until `confirm` of them fit, on what PyTorch's caching allocator
+would reserve; a row not simulated fits on its analytic peak times the largest reserved / tensor
+ratio the simulated ones showed (reserved_source). Prints the best rows that fit and the
 nearest that do not, each with the command that runs it, and writes plan.md and plan.csv under
 results_dir/plan/<model>-<cluster>-g<gpus>/. Bad input: one line on stderr, exit code 2.
 """

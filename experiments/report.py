@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from experiments.reports import figures, gemm_check, prediction_check, scorecard, tables, validation, zero_r
 from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
+from experiments.commands import script_command
 from experiments.points import ConfigError
 from experiments.records import REPO, load_records
 
@@ -147,7 +148,7 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
     results, experiment = _records_dir(cfg)
     if experiment and not (results / experiment).is_dir():
         raise ConfigError(f"no records for experiment {experiment!r} under {results} "
-                          f"(run: python experiments/sweep.py experiment={experiment})")
+                          f"(run: {script_command('experiments/sweep.py', f'experiment={experiment}')})")
 
 
 @hydra.main(config_path="../conf", config_name="report", version_base="1.3")

@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.cli import exit_on_interrupt, preflight_or_exit
-from experiments.commands import python_command, quoted, script, train_command
+from experiments.commands import quoted, script_command, train_command
 from experiments.points import (ConfigError, Point, check_runnable_here, check_simulate_rank, cpu_normal_draws_per_s,
                                 launch_plan, point_from_train_config)
 from experiments.schema import register
@@ -93,7 +93,7 @@ def check_launcher_world(point: Point, argv: list[str]) -> None:
     ways = [f"`{train_command(quoted(argv), gpus, point.cluster.get('gpus_per_node') or gpus)}`"]
     try:
         check_runnable_here([point])
-        ways.append(f"`{python_command()} {script('experiments/sweep.py')} {quoted(argv)}` (starts the ranks itself)")
+        ways.append(f"`{script_command('experiments/sweep.py', quoted(argv))}` (starts the ranks itself)")
     except ConfigError:
         pass
     raise ConfigError(f"gpus={gpus} needs {gpus} ranks and this is one process: run " + ", or ".join(ways)

@@ -3,6 +3,7 @@ a checkpoint (zero_impl.checkpoint.save) as the bare model's state_dict() in fp3
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from .checkpoint import export, latest
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "export":
-        print("usage: python -m zero_impl export CHECKPOINT_DIR OUT.pt", file=sys.stderr)
+        print(f"usage: {_python()} -m zero_impl export CHECKPOINT_DIR OUT.pt", file=sys.stderr)
         return 2
     problem = _check_paths(Path(argv[1]), Path(argv[2]))
     if problem:
@@ -21,6 +22,15 @@ def main(argv: list[str]) -> int:
     print(f"{argv[2]}: {len(exported)} tensors, "
           f"{sum(t.numel() for t in exported.values() if t.is_floating_point()):,} floating-point elements")
     return 0
+
+
+def _python() -> str:
+    """This interpreter as a pasted command must name it: `python` where the shell's PATH finds it
+    (an activated .venv), else its path; a bare `python` of another environment lacks torch.
+    (experiments/commands.py spells the suite's commands so; zero_impl imports nothing of experiments.)"""
+    found = shutil.which("python")
+    ours = os.path.dirname(os.path.abspath(sys.executable))
+    return "python" if found and os.path.dirname(os.path.abspath(found)) == ours else sys.executable
 
 
 def _check_paths(checkpoint: Path, out: Path) -> str | None:

@@ -36,6 +36,7 @@ from experiments.analysis.flops import recompute_factor
 from experiments.analysis.hardware import load_cluster, profile
 from experiments.analysis.memory import max_params, model_state_bytes
 from experiments.analysis.systems import TORCH_1_4_SCALAR_HALF_LOADS
+from experiments.commands import script_command
 from experiments.records import REPO
 
 PAPER_DIR = REPO / "results" / "paper"
@@ -273,7 +274,8 @@ def _fig6_searched(records: list[dict]) -> tuple[str, str, str]:
     found = {rec.get("zero_r_config"): rec["largest_search"] for rec in records
              if rec.get("measured_by") == "simulated" and (rec.get("largest_search") or {}).get("experiment") == "fig6"}
     if not all(c in found for c in ("C1", "C2", "C4", "C5")):
-        return ("-", "not checked", "simulate it: experiments/sweep.py experiment=fig6 simulate=true simulate_largest=true")
+        return ("-", "not checked", "simulate it: " + script_command(
+            "experiments/sweep.py", "experiment=fig6 simulate=true simulate_largest=true"))
     sizes = " / ".join(f"{found[c]['simulated_max_params'] / 1e9:.1f}B" for c in ("C1", "C2", "C4", "C5"))
     return (sizes, "simulated", "largest model of each row's family whose simulated peak fits 32 GB less the CUDA "
             "reserve, MP 16 on 400 GPUs (largest.md, experiment fig6)")
@@ -284,7 +286,7 @@ def _fig7_simulated(records: list[dict]) -> tuple[str, str, str]:
     models = sorted({r["model"]["name"] for r in records if r.get("experiment") == "fig7"
                      and r.get("measured_by") == "simulated" and r.get("status") == "ok"})
     if not models:
-        return ("-", "not checked", "simulate it: experiments/sweep.py experiment=fig7 simulate=true")
+        return ("-", "not checked", "simulate it: " + script_command("experiments/sweep.py", "experiment=fig7 simulate=true"))
     return (f"simulated peaks of {', '.join(models)} per configuration", "simulated",
             "allocated bytes, not PyTorch's cached memory (fig7_memory.md; the stated relations: fig7_statements.md)")
 

@@ -16,6 +16,7 @@ import re
 
 import pandas as pd
 
+from experiments.commands import script_command
 from experiments.reports import gemm_check, predictions, tables, validation, zero_r
 
 # How ours was obtained, by the claims table's kind.
@@ -27,8 +28,9 @@ NOT_SIMULATED = "-"
 def not_simulated(experiment: str, searched: bool = False) -> str:
     """The `how` of a simulated row this record set lacks: the command that adds it to *this* set
     (make reference would rewrite the committed one instead)."""
-    return (f"not in this set: python experiments/sweep.py experiment={experiment} simulate=true"
-            + (" simulate_largest=true" if searched else "") + ", then python experiments/report.py")
+    sweep = script_command("experiments/sweep.py", f"experiment={experiment} simulate=true"
+                           + (" simulate_largest=true" if searched else ""))
+    return f"not in this set: {sweep}, then {script_command('experiments/report.py')}"
 COLUMNS = ("artefact", "paper", "ours", "how", "details")
 
 
@@ -134,6 +136,7 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
     overall, by_tp = summary.loc[["all"]].iloc[0], summary.loc["TP"]
     rule, model = summary.loc[["fastest TP right"]].iloc[0], summary.loc[["fastest TP right"]].iloc[1]   # no model, ours
     pairs = summary.loc[["TP pair ratio"]].iloc[0]          # the development set's stack's (validation.RANKED_SYSTEMS)
+    host = validation.host_constants()
     rows.append(("Step time check: 720 Megatron-DeepSpeed steps on one A100 node (vTrain's, PP 1)",
                  "not the paper's: measured iteration times",
                  f"error (predicted / measured - 1, absolute) median {overall.median_error:.3f}, p90 "
@@ -141,6 +144,10 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
                  f"{overall.worst_factor:.2f}; median ratio by TP " + " / ".join(f"{r:.2f}" for r in by_tp.median_ratio)
                  + f"; step-time ratio between TP degrees of a run, error median {pairs.median_error:.3f}, p90 "
                    f"{pairs.p90_error:.3f}; fastest TP right in {round(model.fraction * model.rows)} of {model.rows} "
-                   f"families, as 'the smallest TP' is in {round(rule.fraction * rule.rows)}", HOW["predicted"],
-                 "validation_summary.md, validation.md"))
+                   f"families, as 'the smallest TP' is in {round(rule.fraction * rule.rows)}; its host cost per "
+                   f"kernel ({host['host_us_per_kernel']:.1f} us) is derived from the development set's small rows "
+                   f"and fails its per-op check ({host['host_us_per_op']:.1f} us over each of the "
+                   f"{host['host_ops_per_layer']} ops a layer dispatches, against PyTorch's "
+                   f"{validation.PYTORCH_PER_OP_US[0]}-{validation.PYTORCH_PER_OP_US[1]:g} us)", HOW["predicted"],
+                 "validation_summary.md, validation.md, validation_host_constants.md"))
     return pd.DataFrame(rows, columns=list(COLUMNS))

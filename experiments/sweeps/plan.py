@@ -18,7 +18,10 @@
    blocks included) on the device less the CUDA context, so it rests on the real code path,
    not a ledger. Where torch's default allocator options do not fit and
    expandable_segments:True does, the row fits with that, and its commands set
-   PYTORCH_CUDA_ALLOC_CONF.
+   PYTORCH_CUDA_ALLOC_CONF. A row not replayed (most rows) fits on its tensor peak times the
+   plan's reserve factor (reserve_factor: the largest reserved / tensor peak of its replayed
+   rows), `reserved_source` analytic+margin; in a plan with no replayed row, on its tensor peak,
+   `reserved_source` unconfirmed.
 4. Rows: those that fit first (a simulated verdict over an analytic one), fastest first (tokens
    per second, the whole job's); then
    the rest by peak, so a user sees why. Each row carries the train.py overrides that run it
@@ -54,14 +57,14 @@ from experiments.launch import default_workers
 from experiments.points import (CONF_DIR, ConfigError, Point, available_models, expand, load_model, predicted_memory_bytes,
                                 simulated_precision)
 from experiments.run.record import verdict
-from experiments.schema import ClusterConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
+from experiments.schema import ClusterConfig, ModelConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
 from zero_impl import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
 
 ANALYTIC_MARGIN = 0.10   # simulate candidates up to 10% over the limit analytically: the analytic model's error
 ZERO_R = {"-": {}, "Pa": {"partition_activations": True},
           "Pa+cpu": {"partition_activations": True, "cpu_checkpointing": True}}
 CSV_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
-               "fits", "peak_gb", "reserved_gb", "fragmentation", "alloc_conf", "peak_source", "limit_gb", "headroom_gb", "states_gb", "activations_gb", "peak_phase",
+               "fits", "peak_gb", "reserved_gb", "reserved_source", "fragmentation", "alloc_conf", "peak_source", "limit_gb", "headroom_gb", "states_gb", "activations_gb", "peak_phase",
                "tflops_per_gpu_predicted", "tokens_per_s_predicted",
                "step_s_predicted", "dominant", "expected_error", "expected_error_regime", "point_id", "overrides",
                "command", "sbatch")
@@ -82,6 +85,7 @@ class Candidate:
     reserved: dict | None = None   # the simulated record's memory.allocator: the caching allocator's replay
     simulation_error: str | None = None
     deepspeed_config: str = ""     # the JSON the plan was made under: the printed commands pass it on
+    reserve_factor: float | None = None  # the plan's (reserve_factor()), for a row not replayed
 
     @property
     def analytic_peak(self) -> float:
@@ -106,9 +110,19 @@ class Candidate:
         return None if r is None else r["expandable"] if self.alloc_conf != r["conf"] else r
 
     @property
+    def reserved_source(self) -> str:
+        """Where `peak` comes from: the allocator's replay, the tensor peak times the plan's reserve
+        factor, or the tensor peak alone where the plan replayed nothing to take a factor from."""
+        if self.replayed is not None:
+            return "replayed"
+        return "unconfirmed" if self.reserve_factor is None else "analytic+margin"
+
+    @property
     def peak(self) -> float:
-        """What must fit: the reserved peak once replayed, else the tensor peak."""
-        return self.tensor_peak if self.replayed is None else self.replayed["reserved_peak_bytes"]
+        """What must fit: the reserved peak (module docstring, 3.), or the tensor peak when unconfirmed."""
+        if self.replayed is not None:
+            return self.replayed["reserved_peak_bytes"]
+        return self.tensor_peak * (self.reserve_factor or 1.0)
 
     @property
     def fits(self) -> bool:
@@ -291,6 +305,18 @@ def ranked(candidates: list[Candidate]) -> list[Candidate]:
                                              c.point.tp, c.point.stage, c.peak))
 
 
+def reserve_factor(candidates: list[Candidate]) -> float | None:
+    """What a row not replayed multiplies its tensor peak by to stand for what the allocator
+    reserves: the largest ratio of reserved to tensor peak among the plan's replayed rows (None:
+    none replayed). The reserved peak is the unbounded replay's, the cache's own high-water mark,
+    which no device limit caps: a row that ran out of memory would understate the ratio. The
+    largest, not a mean: the rows not replayed are other stages and micro-batches, whose
+    fragmentation the plan did not measure."""
+    ratios = [c.reserved["unbounded"]["reserved_peak_bytes"] / c.simulated_peak
+              for c in candidates if c.reserved and c.simulated_peak]
+    return max(ratios, default=None)
+
+
 def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_simulations: int,
             workers: int, rank: int = 0, progress=None) -> int:
     """Simulate the fastest candidates worth it until `wanted` fit (module docstring, 3.); an
@@ -418,7 +444,8 @@ def rows(candidates: list[Candidate], base_model: str | None = None, system: str
                     "grad_accum": p.train["grad_accum_steps"], "global_batch": p.global_batch,
                     "recompute": p.train["recompute"], "zero_r": c.zero_r, "fits": c.fits,
                     "peak_gb": round(c.tensor_peak / 1e9, 2),
-                    "reserved_gb": round(c.replayed["reserved_peak_bytes"] / 1e9, 2) if c.replayed else None,
+                    "reserved_gb": None if c.reserved_source == "unconfirmed" else round(c.peak / 1e9, 2),
+                    "reserved_source": c.reserved_source,
                     "fragmentation": round(c.replayed["fragmentation"], 3) if c.replayed else None,
                     "alloc_conf": c.alloc_conf, "limit_gb": round(c.limit / 1e9, 2),
                     "headroom_gb": round((c.limit - c.peak) / 1e9, 2),
@@ -440,7 +467,8 @@ def rows(candidates: list[Candidate], base_model: str | None = None, system: str
 
 
 TABLE_COLUMNS = ("rank", "stage", "tp", "dp", "micro_batch", "grad_accum", "global_batch", "recompute", "zero_r",
-                 "fits", "peak_gb", "reserved_gb", "fragmentation", "headroom_gb", "peak_source", "states_gb", "activations_gb",
+                 "fits", "peak_gb", "reserved_gb", "reserved_source", "fragmentation", "headroom_gb", "peak_source",
+                 "states_gb", "activations_gb",
                  "tflops_per_gpu_predicted", "tokens_per_s_predicted", "dominant", "expected_error")
 
 
@@ -522,25 +550,31 @@ class ProgressBar:
         print(file=sys.stderr)
 
 
-SEARCH_KEYS = ("global_batch", "stages", "tps", "micro_batches", "recompute", "system", "device_memory_gb",
-               "gpus_per_node", "confirm", "max_simulations")
+# The plan's keys that change what it writes: the search's, the rank simulated (another rank's
+# peaks) and the rows plan.md shows.
+NAMED_KEYS = ("global_batch", "stages", "tps", "micro_batches", "recompute", "system", "device_memory_gb",
+              "gpus_per_node", "confirm", "max_simulations", "simulate_rank", "top")
 
 
 def plan_name(cfg: DictConfig, cluster_name: str, base_model: str | None) -> str:
     """The plan's folder when name= is not given: <model>-<cluster>-g<gpus>, then whatever else
     sets this plan apart, so that two different plans never share a folder: a custom shape
-    (-l<layers>-h<hidden>-a<heads>-s<seq_len>), each search key off its default (-tps1,
-    -recomputetrue, -confirm6), a DeepSpeed JSON (-ds_<file stem>_<hash of its contents>), and a
+    (-l<layers>-h<hidden>-a<heads>-s<seq_len>, then -v<vocab_size> where that is off the base
+    model's), each of NAMED_KEYS off its default (-tps1, -recomputetrue, -confirm6,
+    -simulate_rank5, -top20), a DeepSpeed JSON (-ds_<file stem>_<hash of its contents>), and a
     hash of any train./zero./cluster. value off its default."""
     model = OmegaConf.to_container(cfg.model)
     parts = [model["name"]]
     base = load_model(base_model) if base_model in available_models() else None
     shape_keys = ("layers", "hidden", "heads", "seq_len", "vocab_size")
     if base is None or any(model[k] != base[k] for k in shape_keys):
-        parts.append(f"l{model['layers']}-h{model['hidden']}-a{model['heads']}-s{model['seq_len']}")
+        # the vocabulary only when off the base's (the schema's without one): shapes named before keep their names
+        vocab = model["vocab_size"] != (base or {}).get("vocab_size", ModelConfig.vocab_size)
+        parts.append(f"l{model['layers']}-h{model['hidden']}-a{model['heads']}-s{model['seq_len']}"
+                     + (f"-v{model['vocab_size']}" if vocab else ""))
     parts += [cluster_name, f"g{cfg.gpus}"]
     defaults = OmegaConf.structured(PlanConfig)
-    for key in SEARCH_KEYS:
+    for key in NAMED_KEYS:
         value = OmegaConf.to_container(cfg)[key] if OmegaConf.is_list(cfg[key]) else cfg[key]
         default = OmegaConf.to_container(defaults)[key]
         if value != default:
@@ -583,6 +617,9 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
     ran = confirm(candidates, results_dir / experiment_name(cluster), wanted=cfg.confirm, max_simulations=cfg.max_simulations,
                   workers=cfg.simulate_workers or default_workers(), rank=cfg.simulate_rank, progress=bar)
     bar.close()
+    factor = reserve_factor(candidates)
+    for c in candidates:
+        c.reserve_factor = factor
     plan_rows = rows(candidates, base_model, cfg.system)
     reused = sum(c.simulated_peak is not None or c.simulation_error is not None for c in candidates) - ran
     params = parameter_count(candidates[0].point.shape, 1)
@@ -594,7 +631,10 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
               f"({cluster['device_memory_gb']:g} GB less {cluster['cuda_reserve_gb']:g} GB CUDA reserve); "
               f"{ran + reused} simulated at full world size"
               + (f" ({reused} of them records of earlier plans)" if reused else "")
-              + f", in {time.perf_counter() - began:.0f} s; {speed}.")
+              + f", in {time.perf_counter() - began:.0f} s; {speed}. "
+              + (f"Rows not replayed reserve their tensor peak x {factor:.3f}, the largest ratio of the replayed rows "
+                 "(reserved_source analytic+margin)." if factor is not None else
+                 "No row was replayed: rows are judged on their tensor peak alone (reserved_source unconfirmed)."))
     text = markdown(plan_rows, header, cfg.top)
     md, csv_path = write_plan(plan_rows, text, folder)
     return plan_rows, text + f"\nwritten: {md}, {csv_path}\n"

@@ -13,7 +13,8 @@ from experiments.points import Point, check_simulate_rank, simulated_precision
 from experiments.run.fake import is_gpu_cluster, simulate_point
 from experiments.run.record import simulated_path, simulated_record
 from experiments.run.reserved import alloc_conf_from_env
-from experiments.sweeps.summary import simulated_summary_markdown, simulated_summary_rows, write_summary_csv
+from experiments.sweeps.summary import (simulated_folder_summary_rows, simulated_summary_markdown, simulated_summary_rows,
+                                        write_summary_csv)
 
 
 def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
@@ -76,10 +77,10 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
         print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else ""), file=sys.stderr, flush=True)
 
     run_simulated(todo, results_dir, rank=rank, workers=workers or None, on_done=done)
-    rows = simulated_summary_rows(points, results_dir, rank)
-    print(simulated_summary_markdown(rows))
-    if rows:
-        write_summary_csv(rows, results_dir / "simulated" / "summary.csv")
-    print(f"simulated {len(todo)} points in {time.perf_counter() - started:.0f} s (rank {rank}); "
-          f"records and summary.csv in {results_dir / 'simulated'}")
+    print(simulated_summary_markdown(simulated_summary_rows(points, results_dir, rank)))
+    every = simulated_folder_summary_rows(points, results_dir, rank)
+    if every:
+        write_summary_csv(every, results_dir / "simulated" / "summary.csv")
+    print(f"simulated {len(todo)} points in {time.perf_counter() - started:.0f} s (rank {rank}); records and "
+          f"summary.csv ({len(every)} points: every record in the folder) in {results_dir / 'simulated'}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from experiments import records
@@ -39,17 +40,24 @@ def summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
     return [summary_row(records.read_record(results_dir / f"{p.point_id}.json") or {}, p) for p in points]
 
 
-def folder_summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
-    """Every record in the folder (earlier sweeps' too), then this sweep's points that have none:
-    what summary.csv beside the records holds."""
+def _folder_rows(folder: Path, row: Callable[[dict], dict], sweep: dict[tuple[str, int], dict]) -> list[dict]:
+    """Every record in `folder` (earlier sweeps' too) as `row` makes it, then the sweep's rows (by
+    point id and simulated rank) that have no record yet: what summary.csv beside the records holds.
+    Keyed by rank too, as a simulated folder holds a point's record of each rank simulated."""
     rows = {}
-    for path in sorted(results_dir.glob("*.json")):
+    for path in sorted(folder.glob("*.json")):
         record = records.read_record(path)
         if record is not None and "point_id" in record:
-            rows[record["point_id"]] = summary_row(record)
-    for row in summary_rows(points, results_dir):
-        rows.setdefault(row["point_id"], row)
+            rows[record["point_id"], record.get("simulated_rank", 0)] = row(record)
+    for key, sweep_row in sweep.items():
+        rows.setdefault(key, sweep_row)
     return list(rows.values())
+
+
+def folder_summary_rows(points: list[Point], results_dir: Path) -> list[dict]:
+    """summary.csv of a measured sweep's folder: every record in it, then this sweep's points that have none."""
+    sweep = {(p.point_id, 0): row for p, row in zip(points, summary_rows(points, results_dir))}
+    return _folder_rows(results_dir, summary_row, sweep)
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -96,36 +104,48 @@ def write_summary_csv(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def simulated_summary_row(r: dict, point: Point | None = None, rank: int = 0) -> dict:
+    """One row of the simulated points' summary, from a record (and the point and rank that have none yet)."""
+    config = point.as_dict() if point is not None else r["config"]
+    mem, comm = r.get("memory", {}), r.get("comm", {})
+    gb = 1e9
+    breakdown = peak_breakdown_gb(mem)
+    return {
+        "model": config["model"]["name"], "params_B": round(r.get("params", 0) / gb, 3), "gpus": config["gpus"],
+        "tp": config["tp"], "dp": config["gpus"] // config["tp"], "stage": config["stage"],
+        "micro_batch": config["micro_batch"], "note": config["note"], "precision": r.get("precision"),
+        "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
+        # what the CUDA caching allocator would reserve for it (experiments/allocator's replay)
+        "reserved_GB": mem["reserved_peak_bytes"] / gb if "reserved_peak_bytes" in mem else None,
+        "fragmentation": mem.get("fragmentation"), "alloc_retries": mem.get("alloc_retries"),
+        "states_GB": breakdown.pop("model_states_GB"), **breakdown,
+        "peak_phase": mem.get("peak_phase"),
+        "analytic_GB": mem.get("predicted_peak", {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
+        "reserve_GB": mem.get("cuda_reserve_bytes", 0) / gb if "peak_bytes" in mem else None,
+        "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
+        "cause": mem.get("cause") if r.get("status") == "oom" else None,
+        "zero_r": "/".join(n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
+                                          ("contiguous_memory_optimization", "MD")) if config["zero"].get(k)) or "-",
+        "comm_elements": comm.get("dp_elements_per_step", comm.get("elements_per_step")),
+        "comm_theory": comm.get("theory_elements_per_step"),
+        "tp_elements": (comm.get("tp_megatron") or {}).get("elements_per_step"),
+        "tp_theory": (comm.get("tp_megatron") or {}).get("theory_elements_per_step"),
+        "status": r.get("status", "missing"), "measured_by": r.get("measured_by", MEASURED_BY),
+        "sim_wall_s": (r.get("simulation") or {}).get("wall_s"), "simulated_rank": r.get("simulated_rank", rank),
+        "point_id": point.point_id if point is not None else r["point_id"]}
+
+
 def simulated_summary_rows(points: list[Point], results_dir: Path, rank: int = 0) -> list[dict]:
-    rows = []
-    for point in points:
-        r = records.read_record(simulated_path(results_dir, point, rank)) or {}
-        mem, comm = r.get("memory", {}), r.get("comm", {})
-        gb = 1e9
-        breakdown = peak_breakdown_gb(mem)
-        rows.append({
-            "model": point.model["name"], "params_B": round(r.get("params", 0) / gb, 3), "gpus": point.gpus,
-            "tp": point.tp, "dp": point.dp, "stage": point.stage, "micro_batch": point.micro_batch,
-            "note": point.note, "precision": r.get("precision"),
-            "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
-            # what the CUDA caching allocator would reserve for it (experiments/allocator's replay)
-            "reserved_GB": mem["reserved_peak_bytes"] / gb if "reserved_peak_bytes" in mem else None,
-            "fragmentation": mem.get("fragmentation"), "alloc_retries": mem.get("alloc_retries"),
-            "states_GB": breakdown.pop("model_states_GB"), **breakdown,
-            "peak_phase": mem.get("peak_phase"),
-            "analytic_GB": mem.get("predicted_peak", {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
-            "reserve_GB": mem.get("cuda_reserve_bytes", 0) / gb if "peak_bytes" in mem else None,
-            "device_GB": mem["device_bytes"] / gb if mem.get("device_bytes") else None,
-            "cause": mem.get("cause") if r.get("status") == "oom" else None,
-            "zero_r": "/".join(n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
-                                              ("contiguous_memory_optimization", "MD")) if point.zero.get(k)) or "-",
-            "comm_elements": comm.get("dp_elements_per_step", comm.get("elements_per_step")),
-            "comm_theory": comm.get("theory_elements_per_step"),
-            "tp_elements": (comm.get("tp_megatron") or {}).get("elements_per_step"),
-            "tp_theory": (comm.get("tp_megatron") or {}).get("theory_elements_per_step"),
-            "status": r.get("status", "missing"), "measured_by": r.get("measured_by", MEASURED_BY),
-            "sim_wall_s": (r.get("simulation") or {}).get("wall_s"), "point_id": point.point_id})
-    return rows
+    """The sweep's simulated points at `rank`, in order: each one's record, or `missing`."""
+    return [simulated_summary_row(records.read_record(simulated_path(results_dir, p, rank)) or {}, p, rank)
+            for p in points]
+
+
+def simulated_folder_summary_rows(points: list[Point], results_dir: Path, rank: int = 0) -> list[dict]:
+    """summary.csv of results_dir/simulated/: every record in it (earlier sweeps' and other ranks'
+    too), then this sweep's points that have none at `rank`."""
+    sweep = {(p.point_id, rank): row for p, row in zip(points, simulated_summary_rows(points, results_dir, rank))}
+    return _folder_rows(results_dir / "simulated", simulated_summary_row, sweep)
 
 
 def simulated_summary_markdown(rows: list[dict]) -> str:

@@ -33,6 +33,32 @@ def test_printed_python_is_the_running_interpreter(monkeypatch, tmp_path):
     assert commands.python_command() == str(bin_dir / "python")
 
 
+def test_printed_hints_run_as_printed_in_a_shell_without_the_venv(monkeypatch, tmp_path, capsys):
+    """report.py's missing experiment, the scorecard's and the claims' missing rows, zero_impl's
+    usage: each names this interpreter as the printed commands do, not a bare `python`."""
+    from omegaconf import OmegaConf
+
+    from experiments import report
+    from experiments.reports import predictions, scorecard
+    from zero_impl.__main__ import main
+    monkeypatch.setenv("PATH", str(tmp_path))  # an un-activated shell: no python of ours on PATH
+    monkeypatch.chdir(commands.REPO)
+    python = commands.python_command()
+    assert python != "python"
+    with pytest.raises(ConfigError) as e:
+        report._validate(OmegaConf.create({"results_dir": str(tmp_path), "experiment": {"name": "fig2"}}), False)
+    assert str(e.value).endswith(f"(run: {python} experiments/sweep.py experiment=fig2)")
+    assert scorecard.not_simulated("fig4", searched=True) == (
+        f"not in this set: {python} experiments/sweep.py experiment=fig4 simulate=true simulate_largest=true, "
+        f"then {python} experiments/report.py")
+    assert predictions._fig7_simulated([])[2] == f"simulate it: {python} experiments/sweep.py experiment=fig7 simulate=true"
+    assert main([]) == 2
+    assert capsys.readouterr().err == f"usage: {sys.executable} -m zero_impl export CHECKPOINT_DIR OUT.pt\n"
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # an activated .venv
+    assert main(["export"]) == 2
+    assert capsys.readouterr().err == "usage: python -m zero_impl export CHECKPOINT_DIR OUT.pt\n"
+
+
 def test_train_command_uses_the_launcher_the_point_needs(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     monkeypatch.chdir(commands.REPO)

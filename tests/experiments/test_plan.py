@@ -100,6 +100,35 @@ def test_rows_that_fit_come_first_fastest_first_then_the_rest_by_peak():
     assert [c.peak for c in misses] == sorted(c.peak for c in misses)
 
 
+def test_rows_not_replayed_fit_on_their_tensor_peak_times_the_plans_largest_reserve_ratio():
+    """Two rows replayed, reserving 1.05 and 1.20 x their tensor peak with no device limit (the
+    unbounded replay; the bounded one, capped by the device, is not what the factor reads): every
+    other row must fit 1.20 x its analytic peak, and says so (reserved_source analytic+margin). A
+    plan that replayed nothing judges its rows on the tensor peak and says they are unconfirmed."""
+    candidates = _priced("micro_batches=[1,2]", "stages=[1,2]", "recompute=[true]", "tps=[1]")
+    assert plan.reserve_factor(candidates) is None
+    assert all(c.reserved_source == "unconfirmed" and c.peak == c.analytic_peak for c in candidates)
+    replayed, analytic = candidates[:2], candidates[2:]
+    for c, ratio in zip(replayed, (1.05, 1.20)):
+        c.simulated_peak = c.analytic_peak
+        c.reserved = {"reserved_peak_bytes": c.limit, "oom": True, "conf": "", "fragmentation": 0.1,
+                      "unbounded": {"reserved_peak_bytes": c.simulated_peak * ratio},
+                      "expandable": {"reserved_peak_bytes": c.limit, "oom": True, "conf": "expandable_segments:True"}}
+    factor = plan.reserve_factor(candidates)
+    assert factor == pytest.approx(1.20)
+    c = analytic[0]
+    c.limit = c.analytic_peak * 1.1   # the tensors fit; what the allocator would reserve for them does not
+    assert c.fits   # before: judged on the tensor peak
+    for each in candidates:
+        each.reserve_factor = factor
+    assert not c.fits and c.peak == pytest.approx(c.analytic_peak * 1.20) and c.reserved_source == "analytic+margin"
+    rows = {r["point_id"]: r for r in plan.rows(candidates, base_model="tiny_s")}
+    row = rows[c.point.point_id]
+    assert (row["fits"], row["reserved_source"], row["reserved_gb"], row["fragmentation"]) == (
+        False, "analytic+margin", round(c.analytic_peak * 1.20 / 1e9, 2), None)
+    assert {rows[r.point.point_id]["reserved_source"] for r in replayed} == {"replayed"}
+
+
 def test_confirmation_simulates_the_fastest_worth_it_until_enough_fit(tmp_path, monkeypatch):
     candidates = _priced("micro_batches=[1,2,4,8]")
     limit = sorted(c.analytic_peak for c in candidates)[len(candidates) // 2]
@@ -192,6 +221,29 @@ def test_plans_that_cannot_run_are_refused():
         plan.candidate_points(plan_config("gpus=4", f"deepspeed_config={json_path}", "stages=[3]"))
     with pytest.raises(ConfigError, match="set the batch in one place"):   # its micro-batch alone means accumulation 1
         plan.candidate_points(plan_config("gpus=4", f"deepspeed_config={json_path}", "global_batch=64"))
+
+
+def test_a_plans_folder_names_its_rank_row_count_and_vocabulary_when_off_their_defaults():
+    """simulate_rank= and top= change what a plan writes, vocab_size its shape: each is in the
+    default folder name when off its default (else two plans overwrite one folder), and never
+    otherwise, so the committed reference plans' folders keep their names."""
+    def name(*overrides: str, base: str | None = None) -> str:
+        cfg = plan_config(*overrides)
+        return plan.plan_name(cfg, cfg.cluster.name, base)
+    plain = name()
+    assert plain == "plan_test-l2-h96-a6-s64-v500-dgx_h100-g8"   # no base model: the schema's vocabulary is the default
+    assert name("simulate_rank=5") == f"{plain}-simulate_rank5" and name("top=20") == f"{plain}-top20"
+    assert name("model.vocab_size=600") == plain.replace("-v500", "-v600")
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        gpt_7b = {c: compose(config_name="plan", overrides=["model=gpt_7b", f"cluster={c}"])
+                  for c in ("dgx2_v100", "dgx_h100")}
+        vocab = compose(config_name="plan", overrides=["model=gpt_7b", "model.vocab_size=32000"])
+    committed = {p.name for p in (REPO / "results" / "reference" / "plans" / "plan").iterdir()}
+    for c, cfg in gpt_7b.items():
+        assert plan.plan_name(cfg, c, "gpt_7b") == f"gpt_7b-{c}-g8" in committed
+    assert plan.plan_name(vocab, "dgx2_v100", "gpt_7b") == "gpt_7b-l32-h4096-a32-s1024-v32000-dgx2_v100-g8"
 
 
 def test_a_deepspeed_json_fixes_what_it_sets_and_the_printed_commands_pass_it_on(tmp_path):
@@ -298,19 +350,32 @@ REFERENCE_PLANS = sorted((REPO / "results" / "reference" / "plans" / "plan").glo
 
 
 @pytest.mark.parametrize("plan_csv", REFERENCE_PLANS, ids=lambda p: p.parent.name)
-def test_the_reference_plans_price_as_the_code_does(plan_csv):
-    """docs/plan.md pastes the reference plans' tables: each of their best rows, rebuilt from its
-    own printed overrides, is the same point and gets the same memory and speed from today's
-    models (else a model change leaves the docs quoting old numbers: make reference-plans)."""
-    import csv
-    rows = list(csv.DictReader(open(plan_csv)))[:8]
+def test_the_reference_plans_price_as_the_code_does(plan_csv, monkeypatch):
+    """docs/plan.md pastes rows from anywhere in the reference plans' tables, TFLOPs and tokens/s
+    among their columns: every row is a point today's plan of its model, GPUs and cluster (and
+    DeepSpeed JSON) enumerates, with the same memory and speed from today's models, and the best
+    rows' printed overrides rebuild their points (else a model change leaves the docs quoting old
+    numbers: make reference-plans). The plan is composed once, not a train config per row: a
+    Hydra compose per row kept the 392-row plans at minutes."""
+    monkeypatch.chdir(REPO)   # the rows name the DeepSpeed JSON relative to the repository
+    rows = list(csv.DictReader(open(plan_csv)))
     assert rows
+    for row in rows[:8]:
+        assert _train_point(row["overrides"]).point_id == row["point_id"]
+    plans_own = [o for o in shlex.split(rows[0]["overrides"])
+                 if o.split("=")[0] in ("model", "gpus", "cluster", "deepspeed_config")]
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="plan", overrides=plans_own)
+    priced = {c.point.point_id: c for c in plan.price(plan.candidate_points(cfg), "zero_repro")}
     for row in rows:
-        point = _train_point(row["overrides"])
-        assert point.point_id == row["point_id"]
-        [c] = plan.price([(point, row["zero_r"])], "zero_repro")
         stale = f"{plan_csv.parent.name} row {row['rank']}: run make reference-plans"
+        c = priced.get(row["point_id"])
+        assert c is not None and c.zero_r == row["zero_r"], stale
         assert round(c.analytic["model_states"] / 1e9, 2) == float(row["states_gb"]), stale
         assert round(c.analytic["activations"] / 1e9, 2) == float(row["activations_gb"]), stale
-        if row["tokens_per_s_predicted"]:
+        assert bool(row["tokens_per_s_predicted"]) == (c.step is not None), stale
+        if c.step is not None:
             assert round(c.speed) == int(row["tokens_per_s_predicted"]), stale
+            assert round(c.step.tflops_per_gpu, 2) == float(row["tflops_per_gpu_predicted"]), stale

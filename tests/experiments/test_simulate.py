@@ -271,6 +271,7 @@ def test_a_simulated_record_of_another_cluster_is_not_skipped_as_done(tmp_path, 
     ran = []
     monkeypatch.setattr(sweeps_simulated, "run_simulated", lambda points, *a, **k: ran.extend(points) or [])
     monkeypatch.setattr(sweeps_simulated, "simulated_summary_rows", lambda *a: [])
+    monkeypatch.setattr(sweeps_simulated, "simulated_folder_summary_rows", lambda *a: [])
     sweeps_simulated.run_sweep_simulated([v100], tmp_path)
     assert ran == []                       # its own cluster's record: skipped
     sweeps_simulated.run_sweep_simulated([h100], tmp_path)
@@ -278,3 +279,18 @@ def test_a_simulated_record_of_another_cluster_is_not_skipped_as_done(tmp_path, 
     smaller = dataclasses.replace(v100, cluster=dict(v100.cluster, device_memory_gb=16))
     sweeps_simulated.run_sweep_simulated([smaller], tmp_path)
     assert ran == [h100, smaller]          # the same cluster with less memory: its verdict differs
+
+
+def test_a_simulated_summary_covers_every_record_in_its_folder(tmp_path):
+    """summary.csv is the simulated folder's, not the last sweep's: a second sweep's keeps the
+    first one's point, and another rank's record of a point is a row of its own."""
+    import csv
+
+    from experiments.sweeps.simulated import run_sweep_simulated
+    s2, s3 = (make_point("tiny_s", stage, 8, 1, 2, cluster="dgx2_v100") for stage in (2, 3))
+    run_sweep_simulated([s2], tmp_path, workers=1)
+    run_sweep_simulated([s3], tmp_path, workers=1)
+    run_sweep_simulated([s3], tmp_path, rank=5, workers=1)
+    rows = list(csv.DictReader(open(tmp_path / "simulated" / "summary.csv")))
+    assert [(r["point_id"], r["stage"], r["simulated_rank"], r["status"]) for r in rows] == [
+        (s2.point_id, "2", "0", "ok"), (s3.point_id, "3", "0", "ok"), (s3.point_id, "3", "5", "ok")]
