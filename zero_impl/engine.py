@@ -169,7 +169,7 @@ class ZeroEngine(nn.Module):
         self.micro_steps += 1
         if self.micro_steps % self.config.grad_accum_steps:
             return False
-        self.params.finish_gathers()  # the last step's gathers read the shards this step writes
+        self.params.before_step()  # nothing may read the shards this step writes, nor keep their old values
         applied = self.sharded_optimizer.step()
         # A skip decided on the device is not known here: gather anyway (the unchanged shards),
         # so that every rank issues the same collectives without reading the decision.

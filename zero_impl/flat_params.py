@@ -162,6 +162,10 @@ class FlatParamBuffer:
         for index in sorted(self._stale, key=lambda i: -i):
             self._wait_for(index)
 
+    def before_step(self) -> None:
+        """Before the optimizer writes the shards: the last step's gathers read them."""
+        self.finish_gathers()
+
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """State-dict pre-hook of each module owning flat-buffer parameters: its state_dict(), or
         any ancestor's, sees updated values."""

@@ -259,13 +259,20 @@ class Stage3Params:
         self.in_backward = False
 
     def finish_gathers(self) -> None:
-        """Release every gathered unit but the persistent one, waiting on its gathers first. Called
-        before the optimizer writes the shards: a unit still gathered here holds values the step
-        is about to make stale (a root kept by a forward no backward followed; layers prefetched by
+        """Stages 1-2's lazily waited post-step gathers: stage 3 has none (its units are gathered
+        where they are used, and a root kept between forward and backward stays kept)."""
+
+    def before_step(self) -> None:
+        """Before the optimizer writes the shards: release every gathered unit but the persistent
+        one, waiting on its gathers first. A unit still gathered here holds values the step is
+        about to make stale (a root kept by a forward no backward followed; layers prefetched by
         a forward that stopped early, such as an early-exit evaluation), and its in-flight
-        prefetch reads the shards the step writes. The next forward gathers the updated values."""
+        prefetch reads the shards the step writes; the next forward gathers the updated values.
+        The pending-input counts of such a forward's graph go too: no backward will run it, and
+        left set they would hold units past their backward in the next one."""
         for unit in self.units:
             self.release(unit)
+            unit.inputs_pending = 0
 
     def after_step(self, applied: bool) -> None:
         """The persistent unit holds full parameters: refresh them from the updated shards."""

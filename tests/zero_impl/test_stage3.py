@@ -144,46 +144,58 @@ def _stop(*_) -> None:
     raise _StopForward
 
 
-def _loss_after_a_forward_without_backward(evaluate: str | None) -> dict:
+def _loss_after_a_forward_without_backward(evaluate: str | None, max_live: int) -> dict:
     """Two steps, with (`evaluate`) a forward between each backward and step that no backward
     follows: "grad" a whole forward with gradients (it keeps the root gathered); "early_exit" a
     no_grad forward that stops in the first block (the next blocks were prefetched and stay
     gathered). The step after it must leave no unit gathered with pre-step values."""
     model = make_model()
-    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3), adamw, param_groups(model))
+    # the grad-enabled early exit: no prefetch, and two blocks run, so their pending counts matter
+    prefetch = 0 if evaluate == "early_exit_grad" else zero_impl.ZeroConfig().stage3_prefetch_bucket_size
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=3, stage3_max_live_units=max_live,
+                                                              stage3_prefetch_bucket_size=prefetch),
+                                  adamw, param_groups(model))
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(2):
         tokens = global_batch(step, world, 1)[0, rank]
         engine.backward(lm_loss(engine(tokens), tokens))
         if evaluate == "grad":
             lm_loss(engine(tokens), tokens)
-        elif evaluate == "early_exit":
-            handle = model.blocks[0].register_forward_hook(_stop)
-            with torch.no_grad(), pytest.raises(_StopForward):
+        elif evaluate in ("early_exit", "early_exit_grad"):
+            handle = model.blocks[evaluate == "early_exit_grad"].register_forward_hook(_stop)
+            with torch.set_grad_enabled(evaluate == "early_exit_grad"), pytest.raises(_StopForward):
                 engine(tokens)
             handle.remove()
         kept = [u.name for u in engine.params.units if u.gathered]
         engine.step()
     tokens = global_batch(2, world, 1)[0, rank]
-    out = {"kept_before_step": kept, "gathered_after_step": [u.name for u in engine.params.units if u.gathered],
-           "loss": lm_loss(engine(tokens), tokens).item()}
+    out = {"kept_before_step": kept, "gathered_after_step": [u.name for u in engine.params.units if u.gathered]}
+    engine.params.peak_live_units = 0
+    loss = lm_loss(engine(tokens), tokens)
+    engine.backward(loss)
+    out.update(loss=loss.item(), peak_live_units=engine.params.peak_live_units)
     engine.close()
     return out
 
 
-@pytest.mark.parametrize("evaluate", ["grad", "early_exit"])
+@pytest.mark.parametrize("evaluate", ["grad", "early_exit", "early_exit_grad"])
 def test_units_kept_by_a_forward_without_backward_are_released_by_step(evaluate):
     """Else the next forward would compute with their values from before the step (and, on a
-    GPU, a prefetch still in flight would read the shards the optimizer writes)."""
-    evaluated, plain = (spawn(_loss_after_a_forward_without_backward, 2, flag, timeout=60) for flag in (evaluate, None))
+    GPU, a prefetch still in flight would read the shards the optimizer writes); and the next
+    backward holds no more units than the bound (a forward with gradients that stopped early
+    leaves pending-input counts that only its own backward would clear)."""
+    max_live = 2 if evaluate == "early_exit_grad" else 3  # 2: the bound a stale count would break
+    evaluated, plain = (spawn(_loss_after_a_forward_without_backward, 2, flag, max_live, timeout=60)
+                        for flag in (evaluate, None))
     for e, p in zip(evaluated, plain):
         assert not p["kept_before_step"]
-        if evaluate == "grad":
-            assert e["kept_before_step"] == ["<root>"]
-        else:  # the root and the first block ran; the second was prefetched
+        if evaluate == "early_exit":  # the root and the first block ran; the second was prefetched
             assert "<root>" in e["kept_before_step"] and len(e["kept_before_step"]) >= 2
+        elif evaluate == "grad":
+            assert e["kept_before_step"] == ["<root>"]
         assert e["gathered_after_step"] == []
         assert e["loss"] == p["loss"]
+        assert e["peak_live_units"] == p["peak_live_units"] <= max_live
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -244,6 +244,7 @@ def load_state_dict(engine, sd: dict[str, Any]) -> None:
     check(engine, meta)
     so, opt, with_optim = engine.sharded_optimizer, engine.optimizer, meta["optimizer_state"]
     so.init_states()  # the states to load into, as state_dict() made them
+    engine.params.before_step()  # the load writes the shards: nothing may read them, nor keep their old values
     live, _ = _live(engine)
     for key, (_, boxes) in live.items():
         if key.startswith("optim.") and not with_optim:
