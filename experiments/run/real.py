@@ -58,7 +58,8 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     steps, and when the file named by $ZERO_REPRO_STOP_FILE appears (slurm/launch.sh creates it
     on Slurm's signal before the time limit): then the ranks save and raise Preempted. With
     train.resume, training starts from the latest complete checkpoint there, losses and step
-    times included. `on_step(steps done, latest checkpoint)` is called after every step."""
+    times included. `on_step(steps done, latest checkpoint)` is called after each step that ends a
+    timing window (StepClock): every warm-up step, and the timed steps where the loop closes one."""
     point = Point(**point_dict)
     t = point.train
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -103,18 +104,21 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
             total += loss.detach() / t["grad_accum_steps"]
         peak.stop()
         totals.append(total)
-        if t["fault"] == "slow":
-            time.sleep(1.0)
         save_due = root is not None and t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0
-        if not timed or save_due or stop_file or step + 1 == end:  # host work ahead: close the window
+        # host work ahead closes the window: a checkpoint, the end, a fault run's step (never timed
+        # for speed), and under a stop file every STOP_CHECK_STEPS steps, to look for the file
+        check_stop = bool(stop_file) and len(clock.marks) >= STOP_CHECK_STEPS
+        if not timed or save_due or check_stop or t["fault"] != "none" or step + 1 == end:
             times += clock.close()
             losses += _mean_losses(totals, dp_group)
             totals = []
-        stop = _stop_requested(stop_file, device) and step + 1 < end
+        if t["fault"] == "slow":
+            time.sleep(1.0)
+        stop = not clock.open and _stop_requested(stop_file, device) and step + 1 < end
         if root is not None and (stop or save_due):
             saved = str(zero_impl.checkpoint.save(engine, root / f"step_{step + 1}",
                                                   extra={"step": step + 1, "losses": losses, "step_times_s": times}))
-        if on_step is not None:
+        if on_step is not None and not clock.open:  # rank 0's pending record: host work, between windows
             on_step(step + 1, saved)
         if stop:
             raise Preempted(step + 1, saved)
@@ -130,16 +134,24 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
             "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from}}
 
 
+# Timed steps between looks for the stop file (slurm/launch.sh): each look reads a flag all ranks
+# reduce, a host sync that closes the timing window. Slurm warns 600 s ahead (slurm/run_*.sh), and
+# ten steps of the paper's points take well under that.
+STOP_CHECK_STEPS = 10
+
+
 class StepClock:
     """Each timed step's duration as the device ran it, with no wait on the host between steps.
 
     A window of consecutive steps is timed by marks where each step begins: on CUDA timing events
     on the compute stream, read once the window closes; on CPU, where the ops run on the host, the
     host's clock. Between steps nothing waits: the next forward waits for the post-step parameter
-    gathers only where its modules need them (overlap_param_gather), so a gather hidden behind it
-    costs nothing here, as in a training run; a sync and barrier before every step would time each
-    gather as exposed. The loop closes the window (one sync) before host work that is not training:
-    a checkpoint, the stop-file check, the end."""
+    gathers only where its modules need them (overlap_param_gather), so each step pays the part of
+    the gathers its forward does not hide, as in a training run; a sync before every step would
+    complete them off the clock and time none of it. The loop closes the window (one sync) before
+    host work that is not training: a checkpoint, the stop-file check, the end. A window's first
+    step starts from an idle device: it does not wait for the previous step's gathers (one step
+    in each window, the run's only window unless it checkpoints or watches a stop file)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"

@@ -60,7 +60,7 @@ def _barriers_and_times(point_dict: dict) -> dict:
     return {"barriers": len(calls), "times": out["step_times_s"], "losses": out["losses"]}
 
 
-def test_timed_steps_run_back_to_back(compose, tmp_path):
+def test_timed_steps_run_back_to_back(compose, tmp_path, monkeypatch):
     """The timed steps form one window: no barrier (and on CUDA no sync) between them, so the
     post-step parameter gathers can hide behind the next forward as in training (StepClock);
     a barrier for the warm-up step and one where the window starts. A checkpoint closes the
@@ -73,3 +73,7 @@ def test_timed_steps_run_back_to_back(compose, tmp_path):
     [s, _] = spawn(_barriers_and_times, 2, with_checkpoint_dir(saving, tmp_path), timeout=120)
     assert s["losses"] == r["losses"] and len(s["times"]) == 4
     assert s["barriers"] - r["barriers"] >= 1  # the window after step 2's save starts aligned again
+    # under Slurm's stop file (not there yet) the window stays open up to STOP_CHECK_STEPS steps
+    monkeypatch.setenv("ZERO_REPRO_STOP_FILE", str(tmp_path / "not_requested"))
+    [w, _] = spawn(_barriers_and_times, 2, with_checkpoint_dir(plain, tmp_path), timeout=120)
+    assert w["barriers"] == 2 and len(w["times"]) == 4 and w["losses"] == r["losses"]
