@@ -9,7 +9,8 @@ the most parameters: Table 2's ten rows; Figure 4's largest ZeRO and baseline po
 C1-C5), the model family of that row
 (its hidden size, heads, sequence and vocabulary fixed, the number of layers varied, as the
 paper's Table 4 and appendix grow a model) is searched for the most layers whose simulated
-peak plus the cluster's CUDA reserve fits the device:
+reserved peak (the caching allocator's replay; the tensor peak where none) plus the cluster's
+CUDA reserve fits the device:
 
 1. the analytic model (points.predicted_memory_bytes) gives the largest fitting depth L_a;
 2. rank `simulate_rank` of the full world is simulated (experiments/run/fake.py) at L_a, then at
@@ -118,6 +119,22 @@ def paper_largest(point: Point) -> str:
     return "-"
 
 
+def held_bytes(record: dict, limit: float) -> tuple[int, bool]:
+    """What a simulated depth must fit within `limit` (the device less the CUDA reserve), and
+    whether it does, as the record decided it (run/record.verdict): the caching allocator's
+    reserved peak where the record replayed it (a replay that ran out of memory holds its
+    unbounded peak, which no device caps, so the line through the depths keeps rising), else the
+    tensor peak."""
+    memory = record["memory"]
+    allocator = memory.get("allocator")
+    if not allocator:
+        return memory["peak_bytes"], memory["peak_bytes"] <= limit
+    fits = bool(memory.get("fits")) and not allocator["oom"]
+    held = allocator["reserved_peak_bytes"] if fits else \
+        max(allocator.get("unbounded", allocator)["reserved_peak_bytes"], int(limit) + 1)
+    return held, fits
+
+
 class Search:
     """The search state of one row."""
 
@@ -126,7 +143,8 @@ class Search:
         self.precision = simulated_precision(row)
         self.limit = limit_bytes(row)
         self.analytic_layers = analytic_max_layers(row, self.precision)
-        self.peaks: dict[int, int] = {}           # layers -> simulated peak bytes
+        self.peaks: dict[int, int] = {}           # layers -> the simulated bytes that must fit (held_bytes)
+        self.fits: dict[int, bool] = {}           # layers -> the record's verdict
         self.records: dict[int, dict] = {}
         self.failed: str | None = None
         self.stalled = False   # the next depth was simulated already (a peak not monotonic in depth)
@@ -137,8 +155,8 @@ class Search:
 
     @property
     def bracket(self) -> tuple[int, int | None]:
-        fit = [n for n, p in self.peaks.items() if p <= self.limit]
-        fail = [n for n, p in self.peaks.items() if p > self.limit]
+        fit = [n for n in self.peaks if self.fits[n]]
+        fail = [n for n in self.peaks if not self.fits[n]]
         return max(fit, default=0), min(fail, default=None)
 
     @property
@@ -161,7 +179,7 @@ class Search:
             slope = self._analytic(n0 + 1) - self._analytic(n0)
         guess = n0 + int((self.limit - p0) // slope) if slope > 0 else n0 + 1
         if guess in self.peaks:  # the line says this one; test its neighbour across the limit
-            guess = guess + 1 if self.peaks[guess] <= self.limit else guess - 1
+            guess = guess + 1 if self.fits[guess] else guess - 1
         guess = max(guess, lo + 1)
         if hi is not None:
             guess = min(guess, hi - 1)
@@ -186,7 +204,8 @@ class Search:
             "simulated_max_layers": lo, "simulated_max_params": params,
             "confirmed": hi == lo + 1 if hi is not None else False,
             "simulations": [{"layers": n, "params": parameter_count(family_point(row, n).shape, row.tp),
-                             "peak_bytes": p, "fits": p <= self.limit} for n, p in sorted(self.peaks.items())],
+                             "peak_bytes": self.records[n]["memory"]["peak_bytes"] if n in self.records else p,
+                             "held_bytes": p, "fits": self.fits[n]} for n, p in sorted(self.peaks.items())],
             "paper": paper_largest(row), "error": self.failed,
         }
 
@@ -218,7 +237,7 @@ def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, worker
                 print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''}", file=sys.stderr)
                 continue
             record = simulated_record(point, s.precision, payload, None, began, rank)
-            s.peaks[point.shape.layers] = record["memory"]["peak_bytes"]
+            s.peaks[point.shape.layers], s.fits[point.shape.layers] = held_bytes(record, s.limit)
             s.records[point.shape.layers] = record
             print(f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
                   f"{record['params'] / 1e9:.2f}B, peak {record['memory']['peak_bytes'] / 1e9:.2f} GB "

@@ -235,8 +235,9 @@ def test_largest_search_converges_on_a_line():
     def peak(layers: int) -> int:
         return int(base + per_layer * (layers - 1))
 
-    while (layers := search.next_layers()) is not None:
-        search.peaks[layers] = peak(layers)
+    while (layers := search.next_layers()) is not None:  # records without a replay: the tensor peak decides
+        search.peaks[layers], search.fits[layers] = largest.held_bytes({"memory": {"peak_bytes": peak(layers)}},
+                                                                       search.limit)
     result = search.result()
     expected = max(n for n in range(1, largest.MAX_LAYERS) if peak(n) <= search.limit)
     assert result["simulated_max_layers"] == expected and result["confirmed"]
@@ -244,6 +245,21 @@ def test_largest_search_converges_on_a_line():
     assert result["analytic_max_layers"] > expected  # the analytic model was 30% optimistic here
     rows = [make_point("tiny_s", 2, 64, 1, 2), make_point("tiny_m", 2, 64, 1, 2), make_point("tiny_s", 0, 64, 1, 2)]
     assert [(p.model["name"], p.stage) for p in largest.rows_to_search(rows)] == [("tiny_m", 2), ("tiny_s", 0)]
+
+
+def test_a_replayed_depth_fits_on_what_the_allocator_reserves():
+    """A depth whose tensors fit but whose replayed reserved peak does not is a failing depth; one
+    whose replay ran out of memory holds at least the limit (its unbounded peak), so the search's
+    line keeps rising through it."""
+    from experiments.sweeps.largest import held_bytes
+
+    def record(tensors: float, reserved: float, fits: bool, oom: bool = False, unbounded: float = 0) -> dict:
+        allocator = {"reserved_peak_bytes": reserved, "oom": oom, "unbounded": {"reserved_peak_bytes": unbounded}}
+        return {"memory": {"peak_bytes": tensors, "fits": fits, "allocator": allocator}}
+    assert held_bytes(record(25e9, 30e9, True), 31e9) == (30e9, True)
+    assert held_bytes(record(29e9, 31e9, False, oom=True, unbounded=36e9), 31e9) == (36e9, False)
+    assert held_bytes(record(29e9, 31e9, False, oom=True, unbounded=30e9), 31e9) == (31e9 + 1, False)
+    assert held_bytes({"memory": {"peak_bytes": 32e9}}, 31e9) == (32e9, False)
 
 
 def test_figure6_searches_one_row_per_zero_r_configuration(compose):
