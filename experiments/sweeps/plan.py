@@ -20,7 +20,7 @@
    expandable_segments:True does, the row fits with that, and its commands set
    PYTORCH_CUDA_ALLOC_CONF. A row not replayed (most rows) fits on its tensor peak times the
    plan's reserve factor (reserve_factor: the largest reserved / tensor peak of its replayed
-   rows), `reserved_source` analytic+margin; in a plan with no replayed row, on its tensor peak,
+   rows that fit, at least 1), `reserved_source` analytic+margin; in a plan with no replayed row, on its tensor peak,
    `reserved_source` unconfirmed.
 4. Rows: those that fit first (a simulated verdict over an analytic one), fastest first (tokens
    per second, the whole job's); then
@@ -307,14 +307,15 @@ def ranked(candidates: list[Candidate]) -> list[Candidate]:
 
 def reserve_factor(candidates: list[Candidate]) -> float | None:
     """What a row not replayed multiplies its tensor peak by to stand for what the allocator
-    reserves: the largest ratio of reserved to tensor peak among the plan's replayed rows (None:
-    none replayed). The reserved peak is the unbounded replay's, the cache's own high-water mark,
-    which no device limit caps: a row that ran out of memory would understate the ratio. The
-    largest, not a mean: the rows not replayed are other stages and micro-batches, whose
-    fragmentation the plan did not measure."""
-    ratios = [c.reserved["unbounded"]["reserved_peak_bytes"] / c.simulated_peak
-              for c in candidates if c.reserved and c.simulated_peak]
-    return max(ratios, default=None)
+    reserves: the largest ratio of reserved to tensor peak among the plan's replayed rows that fit
+    (None: none did), at least 1. Those that fit: their replay ran as a GPU would (freeing its
+    cache and retrying where the device filled), so the ratio is what a fitting run reserves; one
+    that ran out of memory stops at the device, and its unbounded replay never frees its cache,
+    so neither says what a run needs. The largest, not a mean: the rows not replayed are other
+    stages and micro-batches, whose fragmentation the plan did not measure."""
+    ratios = [c.replayed["reserved_peak_bytes"] / c.simulated_peak
+              for c in candidates if c.replayed and c.simulated_peak and c.fits]
+    return max(1.0, *ratios) if ratios else None
 
 
 def confirm(candidates: list[Candidate], results_dir: Path, *, wanted: int, max_simulations: int,
@@ -632,7 +633,7 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
               f"{ran + reused} simulated at full world size"
               + (f" ({reused} of them records of earlier plans)" if reused else "")
               + f", in {time.perf_counter() - began:.0f} s; {speed}. "
-              + (f"Rows not replayed reserve their tensor peak x {factor:.3f}, the largest ratio of the replayed rows "
+              + (f"Rows not replayed reserve their tensor peak x {factor:.3f}, the largest ratio of the replayed rows that fit "
                  "(reserved_source analytic+margin)." if factor is not None else
                  "No row was replayed: rows are judged on their tensor peak alone (reserved_source unconfirmed)."))
     text = markdown(plan_rows, header, cfg.top)

@@ -101,19 +101,22 @@ def test_rows_that_fit_come_first_fastest_first_then_the_rest_by_peak():
 
 
 def test_rows_not_replayed_fit_on_their_tensor_peak_times_the_plans_largest_reserve_ratio():
-    """Two rows replayed, reserving 1.05 and 1.20 x their tensor peak with no device limit (the
-    unbounded replay; the bounded one, capped by the device, is not what the factor reads): every
+    """Three rows replayed: two that fit, reserving 1.05 and 1.20 x their tensor peak, and one
+    that ran out of memory (capped at the device: not what a fitting run needs, left out): every
     other row must fit 1.20 x its analytic peak, and says so (reserved_source analytic+margin). A
-    plan that replayed nothing judges its rows on the tensor peak and says they are unconfirmed."""
+    factor is never below 1; a plan that replayed nothing judges its rows on the tensor peak and
+    says they are unconfirmed."""
     candidates = _priced("micro_batches=[1,2]", "stages=[1,2]", "recompute=[true]", "tps=[1]")
     assert plan.reserve_factor(candidates) is None
     assert all(c.reserved_source == "unconfirmed" and c.peak == c.analytic_peak for c in candidates)
-    replayed, analytic = candidates[:2], candidates[2:]
-    for c, ratio in zip(replayed, (1.05, 1.20)):
+    replayed, analytic = candidates[:3], candidates[3:]
+    for c, ratio, oom in zip(replayed, (1.05, 1.20, 0.99), (False, False, True)):
         c.simulated_peak = c.analytic_peak
-        c.reserved = {"reserved_peak_bytes": c.limit, "oom": True, "conf": "", "fragmentation": 0.1,
-                      "unbounded": {"reserved_peak_bytes": c.simulated_peak * ratio},
+        c.limit = max(c.limit, 2 * c.simulated_peak) if not oom else c.simulated_peak * ratio
+        c.reserved = {"reserved_peak_bytes": c.simulated_peak * ratio, "oom": oom, "conf": "", "fragmentation": 0.1,
+                      "unbounded": {"reserved_peak_bytes": c.simulated_peak * 3},
                       "expandable": {"reserved_peak_bytes": c.limit, "oom": True, "conf": "expandable_segments:True"}}
+    assert [c.fits for c in replayed] == [True, True, False]
     factor = plan.reserve_factor(candidates)
     assert factor == pytest.approx(1.20)
     c = analytic[0]
@@ -127,6 +130,9 @@ def test_rows_not_replayed_fit_on_their_tensor_peak_times_the_plans_largest_rese
     assert (row["fits"], row["reserved_source"], row["reserved_gb"], row["fragmentation"]) == (
         False, "analytic+margin", round(c.analytic_peak * 1.20 / 1e9, 2), None)
     assert {rows[r.point.point_id]["reserved_source"] for r in replayed} == {"replayed"}
+    replayed[1].reserved["reserved_peak_bytes"] = replayed[1].simulated_peak * 0.9  # less than its tensors
+    replayed[0].reserved["reserved_peak_bytes"] = replayed[0].simulated_peak * 0.95
+    assert plan.reserve_factor(candidates) == 1.0
 
 
 def test_confirmation_simulates_the_fastest_worth_it_until_enough_fit(tmp_path, monkeypatch):
