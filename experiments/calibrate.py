@@ -29,7 +29,7 @@ def overlap_line(profile: dict) -> str:
     """The measured hidden fractions of async collectives under compute, per world and kind."""
     parts = [f"world {w} {kind} {v['hidden_fraction']:.2f} ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
              for w, kinds in profile.get("collective_overlap", {}).items() for kind, v in kinds.items()]
-    return ("\nfraction of an async collective hidden under compute (median, range over repeats): " + ", ".join(parts)
+    return ("\nfraction of an async collective hidden under compute (median over repeats, its quartiles): " + ", ".join(parts)
             if parts else "")
 
 

@@ -130,9 +130,10 @@ def _rank_overlap(kinds: tuple[str, ...], nbytes: int, repeats: int) -> dict:
 def measure_overlap(world: int, repeats: int = 15, kinds: tuple[str, ...] = OVERLAP_KINDS,
                     nbytes: int = OVERLAP_BYTES) -> dict:
     """{kind: {"hidden_fraction", "range", "nbytes", "compute_s", "collective_s", "together_s"}}:
-    per repeat the slowest rank's three times; kept, their medians over the repeats and the
-    hidden_fraction of those, and `range`, the smallest and largest fraction of one repeat's
-    three times (the spread)."""
+    per repeat the slowest rank's three times and the fraction they give; kept, the median of
+    those fractions (a burst of other work lands on one repeat's three timings together, so the
+    fraction of each repeat is steadier than one of three medians taken apart), `range` their
+    quartiles (the spread), and the three times' medians."""
     ranks = spawn(_rank_overlap, world, kinds, nbytes, repeats, backend="gloo", timeout=300)
     result = {}
     for kind in kinds:
@@ -141,8 +142,8 @@ def measure_overlap(world: int, repeats: int = 15, kinds: tuple[str, ...] = OVER
         fractions = [hidden_fraction(*(slowest[p][i] for p in ("compute", "collective", "together")))
                      for i in range(repeats)]
         medians = {part: statistics.median(v) for part, v in slowest.items()}
-        result[kind] = {"hidden_fraction": hidden_fraction(medians["compute"], medians["collective"], medians["together"]),
-                        "range": [min(fractions), max(fractions)], "nbytes": nbytes,
+        q1, _, q3 = statistics.quantiles(fractions, n=4)
+        result[kind] = {"hidden_fraction": statistics.median(fractions), "range": [q1, q3], "nbytes": nbytes,
                         **{f"{p}_s": v for p, v in medians.items()}}
     return result
 

@@ -115,5 +115,5 @@ def spread_note(profile: dict) -> str:
     return (f"; the profile's spread over {spread['rounds']} rounds: GEMM rates {spread['gemm_median']:.0%} "
             f"(largest {spread['gemm_max']:.0%}), stream {spread['stream']:.0%}, framework step "
             f"{spread['framework_step']:.0%}"
-            + (f", hidden fraction of async collectives (range over repeats) {spread['collective_overlap']:.2f}"
+            + (f", hidden fraction of async collectives (interquartile range over repeats) {spread['collective_overlap']:.2f}"
                if "collective_overlap" in spread else ""))
