@@ -278,7 +278,8 @@ def paper_verdict(record: dict) -> tuple[str, bool | None]:
 
 def simulation_table(records: list[dict]) -> pd.DataFrame:
     """Simulated points (measured_by "simulated"): the peak device memory of the simulated rank
-    by kind (GB, CUDA blocks), the analytic prediction (points.predicted_memory_bytes), the
+    by kind (GB, CUDA blocks), what the caching allocator's replay reserves for it (reserved_GB,
+    its fragmentation and out-of-memory retries: the verdict's bytes where replayed), the analytic prediction (points.predicted_memory_bytes), the
     verdict against the device with the cluster's CUDA reserve, its cause, traffic per step
     against 2Ψ/3Ψ and megatron's TP all-reduces against their count, and the paper's verdict.
     Unlike hardware records, an `oom` here keeps its numbers: they are the finding."""
@@ -295,6 +296,9 @@ def simulation_table(records: list[dict]) -> pd.DataFrame:
             "gpus": r["world_size"], "mp": r["tp"], "dp": r["dp"], "stage": STAGE_NAMES[r["stage"]],
             "micro_batch": r["micro_batch"], "precision": r["precision"], "rank": r.get("simulated_rank", 0),
             "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
+            "reserved_GB": mem["reserved_peak_bytes"] / gb if mem.get("reserved_peak_bytes") else None,
+            "fragmentation": (mem.get("allocator") or {}).get("fragmentation"),
+            "alloc_retries": (mem.get("allocator") or {}).get("alloc_retries"),
             **peak_breakdown_gb(mem), "peak_phase": mem.get("peak_phase"),
             "analytic_GB": (mem.get("predicted_peak") or {}).get("total", 0) / gb if mem.get("predicted_peak") else None,
             "cuda_reserve_GB": mem["cuda_reserve_bytes"] / gb if "cuda_reserve_bytes" in mem else None,
@@ -311,7 +315,7 @@ def simulation_table(records: list[dict]) -> pd.DataFrame:
 
 
 SIMULATION_COLUMNS = ("experiment", "model", "params_B", "gpus", "mp", "dp", "stage", "zero_r", "micro_batch", "precision",
-                      "rank", "peak_GB", "model_states_GB", "activations_GB", "buffers_GB", "temporaries_GB", "peak_phase",
+                      "rank", "peak_GB", "reserved_GB", "fragmentation", "alloc_retries", "model_states_GB", "activations_GB", "buffers_GB", "temporaries_GB", "peak_phase",
                       "analytic_GB", "cuda_reserve_GB", "device_GB", "status", "cause", "comm_per_psi", "tp_elements",
                       "tp_theory", "paper", "agrees_with_paper", "measured_by")
 
