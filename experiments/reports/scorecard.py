@@ -82,8 +82,11 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
     at170 = [r for r in records if r.get("measured_by") == "simulated" and r.get("experiment") == "fig2"
              and r["model"]["name"] == "fig2_170b" and r["stage"] == 2]
     rows.append(("Figure 2: 170B on 400 GPUs", claims.loc["S10-4"].paper,
-                 (f"{'fits' if at170[0]['status'] == 'ok' else at170[0]['status']}: peak "
-                  f"{at170[0]['memory']['peak_bytes'] / 1e9:.2f} GB of 32 with {at170[0].get('zero_r_config')}")
+                 (f"{'fits' if at170[0]['status'] == 'ok' else at170[0]['status']}: tensors "
+                  f"{at170[0]['memory']['peak_bytes'] / 1e9:.2f} GB"
+                  + (f", reserved {at170[0]['memory']['reserved_peak_bytes'] / 1e9:.2f} GB"
+                     if at170[0]["memory"].get("reserved_peak_bytes") else "")
+                  + f" of 32 with {at170[0].get('zero_r_config')}")
                  if at170 else NOT_SIMULATED, HOW["simulated"] if at170 else not_simulated("fig2"), "fig2/simulation.md"))
     claim("Figure 2: 10x the Megatron-LM baseline", "S10-7")
     claim("Figure 3: superlinear scaling, 60B at MP 16", "S1-9", claims.loc["S1-9"].ours.split("; ")[-1], "superlinear, {}")
