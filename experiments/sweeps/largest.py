@@ -16,8 +16,11 @@ CUDA reserve fits the device:
 2. rank `simulate_rank` of the full world is simulated (experiments/run/fake.py) at L_a, then at
    the depth where the line through the two simulated peaks nearest the limit (one peak and the
    analytic per-layer slope at first) crosses it, until a fitting depth L and a failing L + 1
-   are both simulated: memory grows almost linearly with depth, so that takes 2-4 simulations;
-   at most `MAX_SIMULATIONS` per row.
+   are both simulated: tensor memory grows almost linearly with depth, so that takes 2-4
+   simulations. Where the records replayed the caching allocator, the reserved peak is not
+   linear (it flattens just under the limit while retries free the cache): until a depth fails
+   the search goes as far as the tensors' own line allows, then halves the bracket. At most
+   `MAX_SIMULATIONS` per row.
 
 The largest fitting candidate's record goes to <experiment>/simulated/ with a `largest_search`
 entry (every simulated depth, the analytic bracket, the paper's number); the other candidates'
@@ -43,7 +46,7 @@ from experiments.run.record import simulated_path, simulated_record, verdict
 from experiments.sweeps.summary import largest_markdown
 from zero_impl import zero_r_config
 
-MAX_SIMULATIONS = 8
+MAX_SIMULATIONS = 10
 MAX_LAYERS = 4096
 PAPER_DIR = records.REPO / "results" / "paper"
 
@@ -180,14 +183,33 @@ class Search:
         guess = n0 + int((self.limit - p0) // slope) if slope > 0 else n0 + 1
         if guess in self.peaks:  # the line says this one; test its neighbour across the limit
             guess = guess + 1 if self.fits[guess] else guess - 1
+        if hi is None and self._replayed():
+            # nothing failed yet: a replayed reserved peak flattens just under the limit (the
+            # allocator frees its cache and retries) while the tensors keep rising and never
+            # exceed it, so the tensors' line to the limit is the farthest depth that may fit
+            guess = max(guess, self._tensor_line())
         guess = max(guess, lo + 1)
         if hi is not None:
             guess = min(guess, hi - 1)
+            if lo and self._replayed():  # reserved peaks are not linear in depth (flat under the limit
+                guess = (lo + hi) // 2   # where retries free the cache): halve the bracket
         guess = max(1, min(guess, MAX_LAYERS))
         if guess in self.peaks:
             self.stalled = True
             return None
         return guess
+
+    def _replayed(self) -> bool:
+        return any(r["memory"].get("allocator") for r in self.records.values())
+
+    def _tensor_line(self) -> int:
+        """The depth where the line through the two deepest simulated tensor peaks (one and the
+        analytic slope at first) reaches the limit."""
+        tensors = sorted((n, r["memory"]["peak_bytes"]) for n, r in self.records.items())[-2:]
+        (n0, p0) = tensors[-1]
+        slope = (p0 - tensors[0][1]) / (n0 - tensors[0][0]) if len(tensors) == 2 else \
+            self._analytic(n0 + 1) - self._analytic(n0)
+        return n0 + int((self.limit - p0) // slope) if slope > 0 else n0 + 1
 
     def result(self) -> dict:
         lo, hi = self.bracket

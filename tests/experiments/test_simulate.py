@@ -247,6 +247,31 @@ def test_largest_search_converges_on_a_line():
     assert [(p.model["name"], p.stage) for p in largest.rows_to_search(rows)] == [("tiny_m", 2), ("tiny_s", 0)]
 
 
+@pytest.mark.parametrize("cutoff_gb", [16.0, 22.0, 28.0, 30.5])
+def test_largest_search_halves_where_reserved_peaks_flatten_under_the_limit(cutoff_gb):
+    """Replayed depths: the tensors rise linearly, but what the allocator reserves flattens just
+    under the limit wherever retries free the cache, up to the depth where it no longer fits (the
+    cutoff). Lines through reserved peaks would creep one layer at a time; the search reaches the
+    farthest depth the tensors allow, then halves the bracket: the true largest depth, confirmed,
+    within MAX_SIMULATIONS."""
+    from experiments.sweeps import largest
+    row = make_point("fig4_13b", 2, 128, 1, 2, cluster="dgx2_v100")
+    search = largest.Search(row)
+    per_layer = search._analytic(search.analytic_layers + 1) - search._analytic(search.analytic_layers)
+
+    def tensors(layers: int) -> float:
+        return search._analytic(1) + per_layer * (layers - 1)
+    while (layers := search.next_layers()) is not None:
+        fits = tensors(layers) <= cutoff_gb * 1e9
+        search.peaks[layers] = min(1.45 * tensors(layers), 30.9e9) if fits else max(1.5 * tensors(layers), 31e9 + 1)
+        search.fits[layers] = fits
+        search.records[layers] = {"memory": {"peak_bytes": tensors(layers), "allocator": {"oom": not fits}}}
+    result = search.result()
+    true = max(n for n in range(1, largest.MAX_LAYERS) if tensors(n) <= cutoff_gb * 1e9)
+    assert result["simulated_max_layers"] == true and result["confirmed"]
+    assert len(result["simulations"]) <= largest.MAX_SIMULATIONS
+
+
 def test_a_replayed_depth_fits_on_what_the_allocator_reserves():
     """A depth whose tensors fit but whose replayed reserved peak does not is a failing depth; one
     whose replay ran out of memory holds at least the limit (its unbounded peak), so the search's
