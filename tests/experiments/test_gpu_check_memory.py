@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from experiments.gpu_check import memory_rows as memory
 from experiments.gpu_check.common import make_point
-from test_allocator import snapshot_dict, trace_of_16_then_32
+from test_allocator import HAND_WORKED, snapshot_dict, trace_entries
 
 MiB = 1 << 20
 
@@ -19,7 +19,8 @@ def test_runs_are_points_md_off_and_on():
 
 
 def test_a_trace_replays_to_its_own_peaks_and_the_rows_judge_exactness():
-    m = memory.replayed(snapshot_dict(trace_of_16_then_32()), 0)
+    m = memory.replayed(snapshot_dict(trace_entries(HAND_WORKED["eight_16mib_freed_then_four_32mib"].log,
+                                                    with_segments=True)), 0)
     assert (m["replay_reserved"], m["trace_reserved"], m["replay_segments"], m["trace_segments"]) == \
         (256 * MiB, 256 * MiB, 12, 12)
     run = {**m, "ok": True, "error": None, "reserved_at_start": 0, "stats_reserved_peak": 256 * MiB}
