@@ -280,18 +280,18 @@ def plan(x: StepInputs, system: str | System) -> DpPlan:
                    root=min(root_elements(x), x.psi))
 
 
-def hideable(hw: Hardware, calls: tuple[tuple[str, float], ...], group: tuple[int, int, int]) -> tuple[list[float], float]:
-    """calls' seconds split by what concurrent compute can hide: (each call's hideable seconds,
+def hideable(hw: Hardware, calls: tuple[tuple[str, float], ...], seconds: list[float],
+             group: tuple[int, int, int]) -> tuple[list[float], float]:
+    """calls' `seconds` split by what concurrent compute can hide: (each call's hideable seconds,
     the seconds no compute hides). The collective model's measured fraction where it has one
     (a calibrated CPU host: gloo works on the cores the ranks compute on, calibrated.py), else
     all of it (a GPU: NCCL moves bytes beside the SMs' compute)."""
     fraction = getattr(hw.collectives, "hidden_fraction", None)
     hidden, core = [], 0.0
-    for kind, nbytes in calls:
-        seconds = _collective(hw, kind, nbytes, group)
+    for (kind, _), t in zip(calls, seconds):
         h = 1.0 if fraction is None or group[0] <= 1 else fraction(kind, group[0])
-        hidden.append(h * seconds)
-        core += (1.0 - h) * seconds
+        hidden.append(h * t)
+        core += (1.0 - h) * t
     return hidden, core
 
 
@@ -303,13 +303,13 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str,
     grads = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.grad_calls]
     after_calls = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_after_step]
     after = sum(after_calls)
-    hid_grads, core_grads = hideable(hw, p.grad_calls, group)
-    hid_after, core_after = hideable(hw, p.param_calls_after_step, group)
+    hid_grads, core_grads = hideable(hw, p.grad_calls, grads, group)
+    hid_after, core_after = hideable(hw, p.param_calls_after_step, after_calls, group)
     # waited on by the next forward's modules: hidden behind its compute but the first bucket's (the embeddings')
     exposed_after = core_after + max(hid_after[0], sum(hid_after) - phases["forward"].total_s) \
         if after_calls and sys.param_gather_overlap and overlap else after
     gathers = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_per_micro_batch]
-    hid_gathers, core_gathers = hideable(hw, p.param_calls_per_micro_batch, group)
+    hid_gathers, core_gathers = hideable(hw, p.param_calls_per_micro_batch, gathers, group)
     backward = phases["recompute"].total_s + phases["backward"].total_s
     micro = backward + phases["forward"].total_s
     if gathers:   # stage 3: gathers prefetched and gradients reduced under the micro-batch's compute

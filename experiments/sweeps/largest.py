@@ -132,7 +132,7 @@ def held_bytes(record: dict, limit: float) -> tuple[int, bool]:
     allocator = memory.get("allocator")
     if not allocator:
         return memory["peak_bytes"], memory["peak_bytes"] <= limit
-    fits = bool(memory.get("fits")) and not allocator["oom"]
+    fits = bool(memory.get("fits"))  # the verdict counts a replay that ran out of memory as not fitting
     held = allocator["reserved_peak_bytes"] if fits else \
         max(allocator.get("unbounded", allocator)["reserved_peak_bytes"], int(limit) + 1)
     return held, fits

@@ -190,7 +190,8 @@ def test_measured_hidden_fraction_exposes_the_part_compute_cannot_hide():
     assert hw.collectives.hidden_fraction("all_gather", 4) == 1.0      # not measured: the GPU's assumption
     assert calibrated.hardware_from_profile(PROFILE).collectives.hidden_fraction("all_gather", 2) == 1.0
     # two all-gathers of 1 MB at world 2: 1e-4 + 1e6 / 1e9 = 1.1 ms each; a quarter hideable
-    hidden, core = st.hideable(hw, (("all_gather", 1e6), ("all_gather", 1e6)), (2, 2, 1))
+    assert hw.collectives.time_s("all_gather", 1e6, 2, hw.gpus_per_node) == pytest.approx(1.1e-3)
+    hidden, core = st.hideable(hw, (("all_gather", 1e6), ("all_gather", 1e6)), [1.1e-3, 1.1e-3], (2, 2, 1))
     assert hidden == pytest.approx([0.275e-3, 0.275e-3]) and core == pytest.approx(2 * 0.825e-3)
     # stage 3 at world 2 (a tiny_s-like shape): its gathers and reduce-scatters under the
     # micro-batch's compute, which covers every hideable second, so exposed = what cannot hide
