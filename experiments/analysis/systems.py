@@ -206,10 +206,10 @@ def megatron_float16_optimizer(e: int, stage: int) -> OptimizerStep:
 # Megatron-DeepSpeed 2023 on PyTorch 2.0.1 (the development set's stack, step_time.host_windows):
 # host seconds per kernel its layer issues and per collective call, derived from the development
 # set's small rows (experiments/reports/validation.py derives both, a test keeps these equal to the
-# derivation). Neither passes as one physical quantity: the per-kernel one is a layer's slope over
-# the 77 kernels the model counts, 5.7-10.5x PyTorch's published per-op cost, and still 1.9-3.6x
-# over every op the layer sends the dispatcher (228, views included: reports/host_ops.py); the
-# per-collective one is a residual holding all-reduce time NCCL's tuner misses
+# derivation). The per-kernel one is a layer's slope (3.07 ms) over the 77 kernels the model
+# counts, checked as a layer's host time against megatron-core's layer timed on a CPU
+# (reports/host_ops.py, results/reference/bench/layer_host_time.csv; validation.host_time_check).
+# The per-collective one is a residual holding all-reduce time NCCL's tuner misses
 # (docs/performance_checks.md, validation_host_constants.md).
 MEGATRON_DS2023_HOST_S_PER_KERNEL = 39.9e-6
 MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = 48.1e-6

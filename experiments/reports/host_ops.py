@@ -2,6 +2,8 @@
 CPU: the denominator a per-op host cost needs (validation.host_constants_table's check).
 
     python -m experiments.reports.host_ops          # prints the counts; LAYER_HOST_OPS must equal them
+    python -m experiments.reports.host_ops --time   # times the same layer's host cost on this CPU and
+                                                    # writes results/reference/bench/layer_host_time.csv
 
 megatron-core 0.16.1's GPT (megatron_gpt.build_gpt, the local layer spec: megatron's own modules,
 no Transformer Engine), TP 1, fp32, full recomputation one layer per checkpoint, hidden and
@@ -29,16 +31,32 @@ one by one), the two `torch.tensor(0.0, device=...)` of moe_loss and mlp_bias ad
 and Megatron's LocalDDP hook adds a main_grad.add_ per parameter in backward; megatron-core's RNG
 tracker fork compares the CPU RNG state after each fork (3 ops, one a sync), which the 2023 one
 does not.
+
+The same layer timed (`time_layer_host`): what one more layer adds to a micro-batch's forward and
+to its backward (the recomputed forward inside), with hidden 16 and 8 tokens, so the CPU's
+kernels are a microsecond or two each and the time is the host's: Python, megatron-core's
+modules, autograd, the dispatcher. It is the microbenchmark the development set's per-kernel
+host cost is checked against (validation.host_constants_table), measured on this CPU, not the
+development set's (which its source does not name); a CUDA launch (cudaLaunchKernel) takes the
+place of each CPU kernel, not timed apart.
 """
 from __future__ import annotations
 
+import argparse
+import csv
 import os
+import time
 import warnings
 from collections import defaultdict
+from importlib import metadata
+from pathlib import Path
+from statistics import median
 
 import torch
 
+from experiments.calibration.profile import cpu_model
 from experiments.proxy_counts import OpCounter
+from experiments.records import REPO
 
 PHASES = ("forward", "recompute", "backward")
 KINDS = ("kernels", "views", "syncs")
@@ -116,13 +134,17 @@ def _count_model(layers: int) -> dict[str, dict[str, int]]:
     return out
 
 
-def _rank_count() -> dict:
+def _initialize() -> None:
     import logging
 
     from experiments.models.megatron_gpt import initialize_parallel
     initialize_parallel(1)
     # megatron-core's RNG tracker warns on each fork when dropout draws from the CPU generator
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+
+
+def _rank_count() -> dict:
+    _initialize()
     one, two = _count_model(1), _count_model(2)
     out = {}
     for phase in PHASES:
@@ -150,7 +172,84 @@ def count_layer_ops(detail: bool = False) -> dict[str, dict]:
     return out
 
 
-def main() -> int:
+LAYER_HOST_TIME_CSV = REPO / "results" / "reference" / "bench" / "layer_host_time.csv"
+TIMED_LAYERS = (2, 12)   # the slope over ten layers: the embedding, loss and optimizer-free rest cancel
+
+
+def _rank_time(rounds: int, steps: int) -> list[dict[str, float]]:
+    """Per round, the seconds one more layer adds to a micro-batch's forward and backward: each
+    depth's median over `steps` timed steps (after 5 untimed), the depths interleaved per round."""
+    from experiments.models.gpt_shape import GPTShape
+    from experiments.models.megatron_gpt import build_gpt, gpt_loss
+    from experiments.models.tiny_gpt import synthetic_tokens
+    _initialize()
+    shapes = {n: GPTShape(layers=n, hidden=16, heads=4, seq_len=8, vocab_size=256) for n in TIMED_LAYERS}
+    models = {n: build_gpt(s, recompute=True, dropout=0.1).train() for n, s in shapes.items()}
+    tokens = [synthetic_tokens(1, 9, 256, seed=i) for i in range(steps + 5)]
+    out = []
+    for _ in range(rounds):
+        phases = {}
+        for n, model in models.items():
+            forward, backward = [], []
+            for i, t in enumerate(tokens):
+                start = time.perf_counter()
+                loss = gpt_loss(model, t)
+                mid = time.perf_counter()
+                loss.backward()
+                end = time.perf_counter()
+                if i >= 5:
+                    forward.append(mid - start)
+                    backward.append(end - mid)
+            phases[n] = (median(forward), median(backward))
+        (f_lo, b_lo), (f_hi, b_hi) = phases[TIMED_LAYERS[0]], phases[TIMED_LAYERS[1]]
+        layers = TIMED_LAYERS[1] - TIMED_LAYERS[0]
+        out.append({"forward": (f_hi - f_lo) / layers, "backward": (b_hi - b_lo) / layers})
+    return out
+
+
+def time_layer_host(rounds: int = 5, steps: int = 30) -> dict:
+    """One layer's host seconds per micro-batch on this CPU (module docstring), in a fresh process:
+    the median over `rounds` of forward, recomputed forward with backward, and their sum, with the
+    rounds' lowest and highest sums (the spread a noisy machine leaves)."""
+    from experiments.launch import spawn
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        [per_round] = spawn(_rank_time, 1, rounds, steps, backend="gloo", timeout=600)
+    sums = [r["forward"] + r["backward"] for r in per_round]
+    return {"layer_ms": median(sums) * 1e3, "forward_ms": median(r["forward"] for r in per_round) * 1e3,
+            "recompute_backward_ms": median(r["backward"] for r in per_round) * 1e3,
+            "lowest_ms": min(sums) * 1e3, "highest_ms": max(sums) * 1e3, "rounds": rounds, "steps": steps,
+            "cpu": cpu_model(), "torch": torch.__version__, "megatron_core": metadata.version("megatron-core")}
+
+
+def read_layer_host_time(path: Path = LAYER_HOST_TIME_CSV) -> dict:
+    """The committed timing (`python -m experiments.reports.host_ops --time`), numbers as floats."""
+    with open(path) as f:
+        [row] = list(csv.DictReader(f))
+    return {k: (v if k in ("cpu", "torch", "megatron_core") else float(v)) for k, v in row.items()}
+
+
+def _write_layer_host_time(timing: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(timing))
+        writer.writeheader()
+        writer.writerow(timing)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--time", action="store_true",
+                        help="time the layer's host cost on this CPU instead of counting its ops")
+    parser.add_argument("--out", type=Path, default=LAYER_HOST_TIME_CSV, help="where --time writes its CSV")
+    args = parser.parse_args(argv)
+    if args.time:
+        t = time_layer_host()
+        _write_layer_host_time(t, args.out)
+        print(f"one layer's host time a micro-batch: {t['layer_ms']:.3f} ms (forward {t['forward_ms']:.3f}, "
+              f"recomputed forward and backward {t['recompute_backward_ms']:.3f}; rounds {t['lowest_ms']:.3f}-"
+              f"{t['highest_ms']:.3f}) on {t['cpu']}, torch {t['torch']}, megatron-core {t['megatron_core']}: {args.out}")
+        return 0
     counts = count_layer_ops(detail=True)
     for phase in PHASES:
         c = counts[phase]

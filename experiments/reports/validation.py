@@ -22,10 +22,12 @@ node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
     kernels.layer_*_fused) that is the host's seconds per kernel;
   - per collective call: the same slope at TP 2, micro-batch 1, hidden 1024, minus the same
     layer's kernels at the per-kernel cost, over the layer's 6 TP all-reduce calls.
-  Neither is host time alone: the first is a layer's issue time over the kernels counted (6-10x
-  PyTorch's per-op cost, PYTORCH_PER_OP_US; over every op the layer sends the dispatcher, views
-  included, host_ops.LAYER_HOST_OPS, still 1.9-3.6x), the second a residual that also holds the
-  all-reduce time NCCL's tuner under-prices (host_constants_table sets both checks beside them).
+  The first is a layer's host time over the kernels counted: checked against the host time of
+  megatron-core's layer timed on the CPU (host_ops.time_layer_host, the committed
+  layer_host_time.csv), it passes within HOST_TIME_PLAUSIBLE_FACTOR; per kernel it is 6-10x
+  PyTorch's per-op cost (PYTORCH_PER_OP_US), and per dispatched op (host_ops.LAYER_HOST_OPS)
+  1.9-3.6x: the layer's Python costs more than its ops. The second is a residual that also holds
+  the all-reduce time NCCL's tuner under-prices (host_constants_table sets both checks beside them).
 - `nccl_check`: NCCL 2.14.3's tuning model (nccl.py) beside vTrain's nccl-tests all-reduce times on
   its A100 node (results/external/vtrain_a100_allreduce.csv).
 """
@@ -44,7 +46,7 @@ from experiments.analysis import step_time as st
 from experiments.analysis.expected_error import pair_ratio_errors, quantile, tp_families
 from experiments.analysis.hardware import profile
 from experiments.analysis.nccl import Nccl
-from experiments.reports.host_ops import LAYER_HOST_OPS, layer_host_ops
+from experiments.reports.host_ops import layer_host_ops, read_layer_host_time
 from experiments.records import REPO
 
 DEV_SET_CSV = REPO / "results" / "external" / "vtrain_a100_single_node.csv"
@@ -211,32 +213,49 @@ def host_constants() -> dict[str, float]:
             "host_us_per_op": round(_layer_slope_s(1) / layer_host_ops() * 1e6, 1)}
 
 
-# PyTorch's own host cost of one op with autograd, the microbenchmark the per-kernel constant is
-# checked against: 3.8-7 us (pytorch/pytorch#41383's and #122029's measurements)
+# PyTorch's own host cost of one op with autograd: 3.8-7 us (pytorch/pytorch#41383's and #122029's
+# measurements), beside which the per-kernel constant is set per kernel and per op
 PYTORCH_PER_OP_US = (3.8, 7.0)
+# [assumption] How far a layer's host time may differ between the CPU that timed the proxy and the
+# development set's (its source names none; a DGX A100 has 2 x AMD EPYC 7742) and between
+# megatron-core 0.16.1's layer and Megatron-DeepSpeed 2023's (host_ops.py lists the differences):
+# a factor of 1.5, within which the derived constant passes as a layer's host time.
+HOST_TIME_PLAUSIBLE_FACTOR = 1.5
+
+
+def host_time_check() -> dict:
+    """The per-kernel constant's layer time against the proxy's host time, timed on the CPU."""
+    c, proxy = host_constants(), read_layer_host_time()
+    ratio = c["layer_slope_ms_tp1"] / proxy["layer_ms"]
+    return {**proxy, "ratio": ratio, "passes": 1 / HOST_TIME_PLAUSIBLE_FACTOR <= ratio <= HOST_TIME_PLAUSIBLE_FACTOR}
 
 
 def host_constants_table() -> pd.DataFrame:
-    """The two host constants, what each holds beyond the host, and their checks: against
-    PyTorch's per-op cost, against vTrain's 2 MiB 2-GPU all-reduce (the TP 2 layer's message) and
-    the model's own slope at the rows they were measured on."""
-    c = host_constants()
+    """The two host constants, what each holds beyond the host, and their checks: against the
+    host time of megatron-core's layer timed on the CPU and PyTorch's per-op cost, against
+    vTrain's 2 MiB 2-GPU all-reduce (the TP 2 layer's message), and the model's own slope at the
+    rows they were measured on."""
+    c, timed = host_constants(), host_time_check()
     slopes = layer_slopes_table().set_index(["tp", "micro_batch"])["ratio"]
     low, high = (c["host_us_per_kernel"] / us for us in reversed(PYTORCH_PER_OP_US))
     op_low, op_high = (c["host_us_per_op"] / us for us in reversed(PYTORCH_PER_OP_US))
-    launching = sum(LAYER_HOST_OPS[p]["kernels"] for p in LAYER_HOST_OPS)
     [ar] = [r for r in nccl_check().to_dict("records") if r["gpus"] == 2 and r["MiB"] == 2]
+    verdict = "passes" if timed["passes"] else "fails"
     return pd.DataFrame([
         {"constant": "host seconds per kernel (us)", "value": c["host_us_per_kernel"],
          "measured as": f"TP 1, micro-batch 1, hidden 1024: {c['layer_slope_ms_tp1']:.3f} ms a layer a micro-batch "
                         f"over {c['kernels_per_layer']} kernels a layer",
          "what it holds": "the host time a layer's issue takes, divided by the kernels the model counts: every "
                           "Python-level operation around them, and whatever else the slope holds",
-         "check": f"{low:.1f}-{high:.1f}x PyTorch's per-op cost ({PYTORCH_PER_OP_US[0]}-{PYTORCH_PER_OP_US[1]:g} us): "
-                  f"fails as a per-kernel cost; over the {c['host_ops_per_layer']} ops a layer sends the dispatcher "
-                  f"({launching} launch a kernel, the rest views, metadata and syncs; megatron-core 0.16.1's layer on "
-                  f"the CPU, a proxy: host_ops.py) it is {c['host_us_per_op']:.1f} us an op, {op_low:.1f}-{op_high:.1f}x: "
-                  f"fails as a per-op cost too; the model gives {slopes[(1, 1)]:.3f}x the slope it came from"},
+         "check": f"megatron-core {timed['megatron_core']}'s layer (a proxy, host_ops.py) timed on a CPU ({timed['cpu']}, "
+                  f"tiny tensors): {timed['layer_ms']:.3f} ms of host time a micro-batch (rounds "
+                  f"{timed['lowest_ms']:.3f}-{timed['highest_ms']:.3f}; forward {timed['forward_ms']:.3f}, recomputed "
+                  f"forward and backward {timed['recompute_backward_ms']:.3f}); the derived layer time is "
+                  f"{timed['ratio']:.2f}x that: {verdict} as a layer's host time (within {HOST_TIME_PLAUSIBLE_FACTOR}x). "
+                  f"Per kernel it is {low:.1f}-{high:.1f}x PyTorch's per-op cost ({PYTORCH_PER_OP_US[0]}-"
+                  f"{PYTORCH_PER_OP_US[1]:g} us), per op {c['host_us_per_op']:.1f} us over the {c['host_ops_per_layer']} "
+                  f"the layer dispatches, {op_low:.1f}-{op_high:.1f}x: the layer's Python costs more than its ops; "
+                  f"the model gives {slopes[(1, 1)]:.3f}x the slope it came from"},
         {"constant": "host seconds per collective call (us)", "value": c["host_us_per_collective"],
          "measured as": f"TP 2, micro-batch 1, hidden 1024: {c['layer_slope_ms_tp2']:.3f} ms a layer, less its "
                         f"kernels at the per-kernel cost, over {TP_ALLREDUCE_CALLS_PER_LAYER} all-reduce calls",

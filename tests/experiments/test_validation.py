@@ -120,10 +120,35 @@ def test_the_per_op_host_cost_by_hand():
     assert c["layer_slope_ms_tp1"] == pytest.approx(3.073, abs=5e-4) and c["host_ops_per_layer"] == 228
     assert c["host_us_per_op"] == round(3.0728445937 / 228 * 1e3, 1) == 13.5
     assert c["host_us_per_kernel"] == round(3.0728445937 / 77 * 1e3, 1) == 39.9
-    # against PyTorch's 3.8-7 us: 13.5 / 7 = 1.93, 13.5 / 3.8 = 3.55: the per-op check fails too
+    # against PyTorch's 3.8-7 us: 13.5 / 7 = 1.93, 13.5 / 3.8 = 3.55 per op
     check = validation.host_constants_table().set_index("constant").loc["host seconds per kernel (us)", "check"]
-    assert "13.5 us an op, 1.9-3.6x: fails as a per-op cost too" in check
-    assert "over the 228 ops a layer sends the dispatcher (104 launch a kernel" in check
+    assert "per op 13.5 us over the 228 the layer dispatches, 1.9-3.6x" in check
+
+
+def test_the_host_time_check_by_hand(tmp_path, monkeypatch):
+    # the committed timing, read back as the check reads it
+    committed = host_ops.read_layer_host_time()
+    assert committed["layer_ms"] > 0 and committed["lowest_ms"] <= committed["layer_ms"] <= committed["highest_ms"]
+    # a proxy of 2.0 ms: 3.0728 / 2.0 = 1.54, outside 1.5x; of 2.5 ms: 1.23, within
+    for proxy_ms, ratio, verdict in ((2.0, 1.536, "fails"), (2.5, 1.229, "passes")):
+        path = tmp_path / f"{proxy_ms}.csv"
+        host_ops._write_layer_host_time({**committed, "layer_ms": proxy_ms}, path)
+        monkeypatch.setattr(validation, "read_layer_host_time", lambda p=path: host_ops.read_layer_host_time(p))
+        timed = validation.host_time_check()
+        assert timed["ratio"] == pytest.approx(ratio, abs=1e-3) and timed["passes"] == (verdict == "passes")
+        check = validation.host_constants_table().set_index("constant").loc["host seconds per kernel (us)", "check"]
+        assert f"{proxy_ms:.3f} ms of host time a micro-batch" in check
+        assert f"the derived layer time is {ratio:.2f}x that: {verdict} as a layer's host time (within 1.5x)" in check
+
+
+def test_the_layer_host_timing_runs_and_splits_by_phase():
+    # one short round: the numbers depend on the CPU, so only their relations are asserted
+    t = host_ops.time_layer_host(rounds=1, steps=5)
+    assert t["forward_ms"] > 0 and t["recompute_backward_ms"] > 0
+    # the backward phase holds the recomputed forward and the backward: more than the forward alone
+    assert t["recompute_backward_ms"] > t["forward_ms"]
+    assert t["layer_ms"] == pytest.approx(t["forward_ms"] + t["recompute_backward_ms"])
+    assert t["rounds"] == 1 and t["megatron_core"] == "0.16.1"
 
 
 def test_the_development_set_is_the_copied_file():
