@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from experiments.host_allocator import keep_freed_memory_mapped
+
 
 class RankFailed(RuntimeError):
     """A rank raised (`reason` "error", its traceback in the message), died ("died", with its
@@ -84,6 +86,8 @@ def _rank_main(rank: int, world_size: int, init: str, backend: str, threads: int
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
+    if backend != "nccl":  # CPU ranks: freed memory stays mapped, as on a GPU (host_allocator.py)
+        keep_freed_memory_mapped()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -21,6 +21,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import zero_impl
 from experiments import records
+from experiments.host_allocator import keep_freed_memory_mapped
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
 from experiments.points import ConfigError, Point, resolve_precision
 from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
@@ -63,6 +64,8 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     point = Point(**point_dict)
     t = point.train
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":  # torchrun's ranks too: freed memory stays mapped, as on a GPU (host_allocator.py)
+        keep_freed_memory_mapped()
     dp_group, tp_group = initialize_parallel(point.tp, seed=t["seed"], timeout_s=t["timeout_s"])
     torch.manual_seed(t["seed"])
     peak = PeakMemory(device)  # from the build through the first optimizer step
