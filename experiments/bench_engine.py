@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import resource
 import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -123,23 +125,35 @@ def systems() -> dict[str, Callable]:
     return found
 
 
-def _time_steps(name: str, warmup: int, steps: int) -> list[float]:
+def _time_steps(name: str, warmup: int, steps: int) -> dict[str, list[float]]:
     """Runs on every rank (the system by name: spawned ranks cannot receive closures); returns
-    rank 0's step times in seconds."""
+    rank 0's step times in seconds and the minor page faults of each timed step (pages the
+    kernel mapped and zeroed for it: what a CPU allocator that gives memory back costs)."""
     device = rank_device()
     step = systems()[name](build_model().to(device))
     rank = dist.get_rank()
-    times = []
+    times, faults = [], []
     for i in range(warmup + steps):
         tokens = synthetic_tokens(MICRO_BATCH, MODEL.seq_len, MODEL.vocab_size, seed=1000 * rank + i).to(device)
         _sync(device)
         dist.barrier()
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         step(tokens)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return times
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
+    return {"times": times, "faults": faults}
+
+
+@dataclass
+class Measured:
+    """One system's timed steps over every repeat, each repeat's median, its steps' page faults."""
+
+    times: list[float] = field(default_factory=list)
+    round_medians: list[float] = field(default_factory=list)
+    faults: list[float] = field(default_factory=list)
 
 
 def _sync(device: torch.device) -> None:
@@ -148,7 +162,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run(names: list[str], world: int, warmup: int, steps: int, repeats: int,
-        timeout: float = 1800) -> dict[str, list[float]]:
+        timeout: float = 1800) -> dict[str, Measured]:
     table = systems()
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -156,28 +170,36 @@ def run(names: list[str], world: int, warmup: int, steps: int, repeats: int,
     start_method = "spawn" if torch.cuda.is_available() else "fork"  # CUDA does not survive fork
     if any(n.startswith("deepspeed") for n in names) and start_method == "fork":
         import deepspeed  # noqa: F401  (imported once here so forked ranks inherit it)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    measured = {n: Measured() for n in names}
     for repeat in range(repeats):
         for name in names:
-            times[name] += spawn(_time_steps, world, name, warmup, steps, start_method=start_method,
-                                 timeout=timeout)[0]
-            print(f"  repeat {repeat + 1}/{repeats} {name:16s} median {1e3 * statistics.median(times[name]):8.1f} ms",
+            got = spawn(_time_steps, world, name, warmup, steps, start_method=start_method, timeout=timeout)[0]
+            m = measured[name]
+            m.times += got["times"]
+            m.faults += got["faults"]
+            m.round_medians.append(statistics.median(got["times"]))
+            print(f"  repeat {repeat + 1}/{repeats} {name:16s} median {1e3 * statistics.median(m.times):8.1f} ms",
                   file=sys.stderr, flush=True)
-    return times
+    return measured
 
 
-def report(times: dict[str, list[float]]) -> str:
-    med = {n: statistics.median(t) for n, t in times.items()}
-    lines = ["| system | median step (ms) | vs DDP | vs DeepSpeed same stage | vs FSDP2 |",
-             "|---|---:|---:|---:|---:|"]
+def report(measured: dict[str, Measured]) -> str:
+    """The table: each system's median step, its ratios to its peers, the lowest and highest of
+    its repeats' medians (how far one repeat moved) and its median page faults a step."""
+    med = {n: statistics.median(m.times) for n, m in measured.items()}
+    lines = ["| system | median step (ms) | vs DDP | vs DeepSpeed same stage | vs FSDP2 | repeats' medians (ms) "
+             "| minor faults a step |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
 
     def ratio(name: str, peer: str | None) -> str:
         return f"{med[name] / med[peer]:.3f}" if peer in med else "-"
     for name, m in med.items():
         ds_peer = f"deepspeed{name[-1]}" if name in ("zero1", "zero2", "zero3") else None
         fsdp_peer = "fsdp2" if name == "zero3" else None
+        rounds = measured[name].round_medians
         lines.append(f"| {name} | {1e3 * m:.1f} | {ratio(name, 'ddp')} | {ratio(name, ds_peer)} "
-                     f"| {ratio(name, fsdp_peer)} |")
+                     f"| {ratio(name, fsdp_peer)} | {1e3 * min(rounds):.1f}-{1e3 * max(rounds):.1f} "
+                     f"| {statistics.median(measured[name].faults):.0f} |")
     return "\n".join(lines)
 
 
@@ -190,15 +212,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the raw step times here")
     args = parser.parse_args()
+    began = time.perf_counter()
     params = sum(p.numel() for p in build_model().parameters())
     where = f"{torch.cuda.get_device_name()} (NCCL)" if torch.cuda.is_available() else "CPU (gloo)"
     print(f"model: {params / 1e6:.1f}M parameters, world {args.world} on {where}, micro-batch {MICRO_BATCH}, fp32, "
           f"torch {torch.__version__}, {args.repeats} x {args.steps} timed steps per system")
-    times = run(args.systems.split(","), args.world, args.warmup, args.steps, args.repeats)
-    print(report(times))
+    measured = run(args.systems.split(","), args.world, args.warmup, args.steps, args.repeats)
+    print(report(measured))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(times, f, indent=1)
+            json.dump({n: m.times for n, m in measured.items()}, f, indent=1)
+    print(f"bench took {time.perf_counter() - began:.0f} s")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def _rank_main(rank: int, world_size: int, init: str, backend: str, threads: int
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
-    if backend != "nccl":  # CPU ranks: freed memory stays mapped, as on a GPU (host_allocator.py)
+    if not torch.cuda.is_available():  # CPU ranks: freed memory stays mapped, as on a GPU (host_allocator.py)
         keep_freed_memory_mapped()
     try:
         if backend == "nccl":

@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from experiments.host_allocator import freed_memory_kept
-
 STATUSES = ("ok", "oom", "timeout", "fail", "invalid")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,8 +132,7 @@ def _git(*args: str) -> str:
 
 def hardware() -> dict[str, Any]:
     info: dict[str, Any] = {"host": platform.node(), "platform": platform.platform(), "cpu": _cpu_model(),
-                            "cpu_count": os.cpu_count(), "memory_gb": _memory_gb(),
-                            "cpu_freed_memory_kept": freed_memory_kept()}
+                            "cpu_count": os.cpu_count(), "memory_gb": _memory_gb()}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_gb=props.total_memory / 1e9,

@@ -158,8 +158,8 @@ def main() -> int:
 
     systems = list(bench_engine.systems()) if torch.cuda.is_available() else ["ddp", "zero2"]
     try:
-        times = bench_engine.run(systems, world=1, warmup=warmup, steps=steps, repeats=1, timeout=left(60))
-        medians = ", ".join(f"{n} {1e3 * sorted(t)[len(t) // 2]:.1f}" for n, t in times.items())
+        measured = bench_engine.run(systems, world=1, warmup=warmup, steps=steps, repeats=1, timeout=left(60))
+        medians = ", ".join(f"{n} {1e3 * sorted(m.times)[len(m.times) // 2]:.1f}" for n, m in measured.items())
         rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", f"median ms/step: {medians}", "runs", "PASS"))
     except (RankFailed, SystemExit) as e:
         rows.append(("bench_engine (world 1, 9.5M GPT, fp32)", error_line(str(e)), "runs", "FAIL"))

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import platform
 import time
 import warnings
 from collections import defaultdict
@@ -176,9 +177,10 @@ LAYER_HOST_TIME_CSV = REPO / "results" / "reference" / "bench" / "layer_host_tim
 TIMED_LAYERS = (2, 12)   # the slope over ten layers: the embedding, loss and optimizer-free rest cancel
 
 
-def _rank_time(rounds: int, steps: int) -> list[dict[str, float]]:
+def _rank_time(rounds: int, steps: int) -> dict:
     """Per round, the seconds one more layer adds to a micro-batch's forward and backward: each
-    depth's median over `steps` timed steps (after 5 untimed), the depths interleaved per round."""
+    depth's median over `steps` timed steps (after 5 untimed), the depths interleaved per round;
+    and the rank's intra-op threads."""
     from experiments.models.gpt_shape import GPTShape
     from experiments.models.megatron_gpt import build_gpt, gpt_loss
     from experiments.models.tiny_gpt import synthetic_tokens
@@ -204,7 +206,7 @@ def _rank_time(rounds: int, steps: int) -> list[dict[str, float]]:
         (f_lo, b_lo), (f_hi, b_hi) = phases[TIMED_LAYERS[0]], phases[TIMED_LAYERS[1]]
         layers = TIMED_LAYERS[1] - TIMED_LAYERS[0]
         out.append({"forward": (f_hi - f_lo) / layers, "backward": (b_hi - b_lo) / layers})
-    return out
+    return {"rounds": out, "threads": torch.get_num_threads()}
 
 
 def time_layer_host(rounds: int = 5, steps: int = 30) -> dict:
@@ -214,19 +216,24 @@ def time_layer_host(rounds: int = 5, steps: int = 30) -> dict:
     from experiments.launch import spawn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        [per_round] = spawn(_rank_time, 1, rounds, steps, backend="gloo", timeout=600)
+        [timed] = spawn(_rank_time, 1, rounds, steps, backend="gloo", timeout=600)
+    per_round = timed["rounds"]
     sums = [r["forward"] + r["backward"] for r in per_round]
     return {"layer_ms": median(sums) * 1e3, "forward_ms": median(r["forward"] for r in per_round) * 1e3,
             "recompute_backward_ms": median(r["backward"] for r in per_round) * 1e3,
             "lowest_ms": min(sums) * 1e3, "highest_ms": max(sums) * 1e3, "rounds": rounds, "steps": steps,
-            "cpu": cpu_model(), "torch": torch.__version__, "megatron_core": metadata.version("megatron-core")}
+            "cpu": cpu_model(), "threads": timed["threads"], "python": platform.python_version(),
+            "torch": torch.__version__, "megatron_core": metadata.version("megatron-core")}
+
+
+TEXT_FIELDS = ("cpu", "python", "torch", "megatron_core")
 
 
 def read_layer_host_time(path: Path = LAYER_HOST_TIME_CSV) -> dict:
     """The committed timing (`python -m experiments.reports.host_ops --time`), numbers as floats."""
     with open(path) as f:
         [row] = list(csv.DictReader(f))
-    return {k: (v if k in ("cpu", "torch", "megatron_core") else float(v)) for k, v in row.items()}
+    return {k: (v if k in TEXT_FIELDS else float(v)) for k, v in row.items()}
 
 
 def _write_layer_host_time(timing: dict, path: Path) -> None:

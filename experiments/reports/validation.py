@@ -13,8 +13,7 @@ node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
   larger TP wins), and the error of the predicted step-time ratio between every pair of a
   family's TP degrees (what the set can test; the planner's margin, expected_error.pair_ratio_p90).
 - `host_constants`: the two host costs of megatron_ds2023 derived from the development set
-  (systems.MEGATRON_DS2023_HOST_S_PER_*; a test keeps them equal); neither passes as one
-  physical quantity (below):
+  (systems.MEGATRON_DS2023_HOST_S_PER_*; a test keeps them equal), each with its check (below):
   - per kernel: the rows at TP 1, micro-batch 1, hidden 1024 (the smallest work per kernel: the
     host issues while the GPU idles) give the step's slope over the layer count per micro-batch
     (a least-squares line through (layers, ms / micro-batches) for each DP degree and global
@@ -22,9 +21,11 @@ node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
     kernels.layer_*_fused) that is the host's seconds per kernel;
   - per collective call: the same slope at TP 2, micro-batch 1, hidden 1024, minus the same
     layer's kernels at the per-kernel cost, over the layer's 6 TP all-reduce calls.
-  The first is a layer's host time over the kernels counted: checked against the host time of
-  megatron-core's layer timed on the CPU (host_ops.time_layer_host, the committed
-  layer_host_time.csv), it passes within HOST_TIME_PLAUSIBLE_FACTOR; per kernel it is 6-10x
+  The first is a layer's host time over the kernels counted: its layer total is checked against
+  the host time of megatron-core's layer timed on the CPU (host_ops.time_layer_host, the committed
+  layer_host_time.csv) within HOST_TIME_PLAUSIBLE_FACTOR, a plausibility check, not a
+  measurement of the development set's host; the split over kernels, and the same cost per
+  kernel for the optimizer's and the gradient copies' kernels, are not checked. Per kernel it is 6-10x
   PyTorch's per-op cost (PYTORCH_PER_OP_US), and per dispatched op (host_ops.LAYER_HOST_OPS)
   1.9-3.6x: the layer's Python costs more than its ops. The second is a residual that also holds
   the all-reduce time NCCL's tuner under-prices (host_constants_table sets both checks beside them).
@@ -216,10 +217,12 @@ def host_constants() -> dict[str, float]:
 # PyTorch's own host cost of one op with autograd: 3.8-7 us (pytorch/pytorch#41383's and #122029's
 # measurements), beside which the per-kernel constant is set per kernel and per op
 PYTORCH_PER_OP_US = (3.8, 7.0)
-# [assumption] How far a layer's host time may differ between the CPU that timed the proxy and the
-# development set's (its source names none; a DGX A100 has 2 x AMD EPYC 7742) and between
-# megatron-core 0.16.1's layer and Megatron-DeepSpeed 2023's (host_ops.py lists the differences):
-# a factor of 1.5, within which the derived constant passes as a layer's host time.
+# [assumption] How far a layer's host time may differ between the proxy's stack and host and the
+# development set's: another CPU (its source names none; a DGX A100 has 2 x AMD EPYC 7742), Python
+# and torch releases, CUDA's launches in place of the proxy's microsecond CPU kernels, apex's and
+# TorchScript's fused calls in place of megatron-core's eager ops (host_ops.py lists them). A band
+# set for those differences, not derived from them: a factor of 1.5. Within it the derived
+# constant is plausible as a layer's host time; outside, the slope holds something else.
 HOST_TIME_PLAUSIBLE_FACTOR = 1.5
 
 
@@ -251,7 +254,8 @@ def host_constants_table() -> pd.DataFrame:
                   f"tiny tensors): {timed['layer_ms']:.3f} ms of host time a micro-batch (rounds "
                   f"{timed['lowest_ms']:.3f}-{timed['highest_ms']:.3f}; forward {timed['forward_ms']:.3f}, recomputed "
                   f"forward and backward {timed['recompute_backward_ms']:.3f}); the derived layer time is "
-                  f"{timed['ratio']:.2f}x that: {verdict} as a layer's host time (within {HOST_TIME_PLAUSIBLE_FACTOR}x). "
+                  f"{timed['ratio']:.2f}x that: {verdict} as a layer's host time (within {HOST_TIME_PLAUSIBLE_FACTOR}x); "
+                  f"the split over kernels, and the optimizer's and copies' kernels at the same cost, are not checked. "
                   f"Per kernel it is {low:.1f}-{high:.1f}x PyTorch's per-op cost ({PYTORCH_PER_OP_US[0]}-"
                   f"{PYTORCH_PER_OP_US[1]:g} us), per op {c['host_us_per_op']:.1f} us over the {c['host_ops_per_layer']} "
                   f"the layer dispatches, {op_low:.1f}-{op_high:.1f}x: the layer's Python costs more than its ops; "

@@ -21,7 +21,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import zero_impl
 from experiments import records
-from experiments.host_allocator import keep_freed_memory_mapped
+from experiments.host_allocator import freed_memory_kept, keep_freed_memory_mapped
 from experiments.models.megatron_gpt import gpt_loss, initialize_parallel
 from experiments.points import ConfigError, Point, resolve_precision
 from experiments.run.build import build_model, micro_batch_tokens, wrap_in_engine
@@ -134,6 +134,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
         memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
         memory["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
     return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats,
+            "freed_memory_kept": freed_memory_kept(),  # then peak_rss holds freed memory kept for reuse too
             "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from}}
 
 

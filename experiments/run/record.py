@@ -60,6 +60,8 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         record["comm"] = {**engine_traffic(point, stats), "loss_scale": stats["loss_scale"],
                           "skipped_steps": stats["skipped_steps"]}
         record["optimizer"] = stats["optimizer"]  # torch AdamW's implementation (run/build.py)
+        # the ranks kept freed memory mapped (experiments/host_allocator.py: CPU runs)
+        record["hardware"]["cpu_freed_memory_kept"] = bool(rank0.get("freed_memory_kept", False))
     return record
 
 
