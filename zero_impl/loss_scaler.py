@@ -42,6 +42,10 @@ class LossScaler:
             self._scale = torch.tensor(initial, dtype=torch.float32, device=device)
             self._clean = torch.zeros((), dtype=torch.int32 if self._fused else torch.int64, device=device)
             self._hysteresis_left = torch.tensor(hysteresis, dtype=torch.int64, device=device)
+            # a step's outcome known on the host (an optimizer without found_inf read it there) as a
+            # device flag made once: a Python bool made into a CUDA tensor per step is a pageable
+            # host-to-device copy, which waits for the stream
+            self._known = {flag: torch.tensor(float(flag), device=device) for flag in (False, True)}
 
     # -- what the step uses: never read on the host ----------------------------------------
     def factor(self) -> torch.Tensor | float:
@@ -53,7 +57,7 @@ class LossScaler:
         the step overflowed and was skipped. Queued on the device; nothing is read back."""
         if not self.dynamic:
             return
-        found = torch.as_tensor(overflow, device=self._scale.device)
+        found = self._known[overflow] if isinstance(overflow, bool) else overflow
         if self._fused:  # halve on overflow, double after `window` clean steps, then the floor: 2 kernels
             torch._amp_update_scale_(self._scale, self._clean, found.float(), 2.0, 0.5, self.window)
             self._scale.clamp_(min=self.min_scale)
