@@ -45,7 +45,8 @@ class LossScaler:
             # a step's outcome known on the host (an optimizer without found_inf read it there) as a
             # device flag made once: a Python bool made into a CUDA tensor per step is a pageable
             # host-to-device copy, which waits for the stream
-            self._known = {flag: torch.tensor(float(flag), device=device) for flag in (False, True)}
+            self._known = {flag: torch.tensor(float(flag), dtype=torch.float32, device=device)
+                           for flag in (False, True)}
 
     # -- what the step uses: never read on the host ----------------------------------------
     def factor(self) -> torch.Tensor | float:
@@ -57,7 +58,8 @@ class LossScaler:
         the step overflowed and was skipped. Queued on the device; nothing is read back."""
         if not self.dynamic:
             return
-        found = self._known[overflow] if isinstance(overflow, bool) else overflow
+        found = (self._known[overflow] if isinstance(overflow, bool)
+                 else torch.as_tensor(overflow, device=self._scale.device))  # a no-op for a flag already there
         if self._fused:  # halve on overflow, double after `window` clean steps, then the floor: 2 kernels
             torch._amp_update_scale_(self._scale, self._clean, found.float(), 2.0, 0.5, self.window)
             self._scale.clamp_(min=self.min_scale)
@@ -76,7 +78,7 @@ class LossScaler:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The device scalars of a dynamic scale (the engine's state_tensors, as buffers)."""
-        return [self._scale, self._clean, self._hysteresis_left] if self.dynamic else []
+        return [self._scale, self._clean, self._hysteresis_left, *self._known.values()] if self.dynamic else []
 
     # -- read lazily (stats, checkpoints) -------------------------------------------------------
     @property

@@ -39,7 +39,9 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
         "flops_convention": "Narayanan et al. 2021 Eq. 3: 24*c*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)), padded V, no causal halving",
         "step_times_s": [], "step_time_s": None, "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
         "memory": {"predicted": predicted_model_state_bytes(point, precision)}, "comm": {}, "losses": [],
-        "error": error, "versions": records.versions(), "hardware": records.hardware(),
+        "error": error, "versions": records.versions(),
+        # cpu_freed_memory_kept: what the ranks report (a run that returned none: unknown)
+        "hardware": {**records.hardware(), "cpu_freed_memory_kept": None},
         "started": started, "finished": records.now(),
         "resume": resume if resume is not None else (results[0].get("resume") if results else None),
     }

@@ -46,6 +46,7 @@ def test_default_sweep_end_to_end(tmp_path):
         tensors = 12 * r["model"]["layers"] + 4      # megatron GPT: Adam's 4-byte step count per master
         assert 0 <= measured["total"] - predicted["total"] <= 16 * padding + 4 * tensors
         assert measured["activations_saved"] > 0 and measured["peak_rss"] > 0
+        assert r["hardware"]["cpu_freed_memory_kept"] is True   # CPU ranks (experiments/host_allocator.py)
         # The peak of live tensors holds the persistent model states and what forward saved
         assert measured["peak_bytes"] >= measured["total"] + measured["activations_saved"]
         comm = r["comm"]
@@ -86,6 +87,7 @@ def test_injected_fault_in_a_rank_is_a_fail_record(tmp_path):
     assert done.returncode == 0, done.stderr
     [record] = load_records(tmp_path, "cpu_default")
     assert record["status"] == "fail" and "injected fault (train.fault=raise)" in record["error"]
+    assert record["hardware"]["cpu_freed_memory_kept"] is None   # no rank returned: unknown
     assert validate_record(record) == []
 
 

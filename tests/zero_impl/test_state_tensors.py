@@ -87,7 +87,7 @@ def _stages(precision: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_every_kept_allocation_of_stages_0_to_3_has_a_kind(precision):
     """Two ranks, two accumulated micro-batches per step, buckets small enough for several:
     nothing the engine keeps after initialize or a step is missing from state_tensors()."""
