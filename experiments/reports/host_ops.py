@@ -236,7 +236,8 @@ def read_layer_host_time(path: Path = LAYER_HOST_TIME_CSV) -> dict:
     return {k: (v if k in TEXT_FIELDS else float(v)) for k, v in row.items()}
 
 
-def _write_layer_host_time(timing: dict, path: Path) -> None:
+def write_layer_host_time(timing: dict, path: Path) -> None:
+    """Write a timing (time_layer_host) as the one-row CSV read_layer_host_time reads."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(timing))
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.time:
         t = time_layer_host()
-        _write_layer_host_time(t, args.out)
+        write_layer_host_time(t, args.out)
         print(f"one layer's host time a micro-batch: {t['layer_ms']:.3f} ms (forward {t['forward_ms']:.3f}, "
               f"recomputed forward and backward {t['recompute_backward_ms']:.3f}; rounds {t['lowest_ms']:.3f}-"
               f"{t['highest_ms']:.3f}) on {t['cpu']}, torch {t['torch']}, megatron-core {t['megatron_core']}: {args.out}")

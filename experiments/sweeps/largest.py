@@ -175,12 +175,7 @@ class Search:
             return max(1, self.analytic_layers)
         lo, hi = self.bracket
         nearest = sorted(self.peaks.items(), key=lambda kv: abs(kv[1] - self.limit))[:2]
-        (n0, p0) = nearest[0]
-        if len(nearest) == 2 and nearest[1][0] != n0:
-            slope = (nearest[1][1] - p0) / (nearest[1][0] - n0)
-        else:
-            slope = self._analytic(n0 + 1) - self._analytic(n0)
-        guess = n0 + int((self.limit - p0) // slope) if slope > 0 else n0 + 1
+        guess = self._line_to_limit(*nearest)
         if guess in self.peaks:  # the line says this one; test its neighbour across the limit
             guess = guess + 1 if self.fits[guess] else guess - 1
         if hi is None and self._replayed():
@@ -206,9 +201,17 @@ class Search:
         """The depth where the line through the two deepest simulated tensor peaks (one and the
         analytic slope at first) reaches the limit."""
         tensors = sorted((n, r["memory"]["peak_bytes"]) for n, r in self.records.items())[-2:]
-        (n0, p0) = tensors[-1]
-        slope = (p0 - tensors[0][1]) / (n0 - tensors[0][0]) if len(tensors) == 2 else \
-            self._analytic(n0 + 1) - self._analytic(n0)
+        return self._line_to_limit(*reversed(tensors))
+
+    def _line_to_limit(self, anchor: tuple[int, float], other: tuple[int, float] | None = None) -> int:
+        """The depth where the line through (layers, peak) `anchor` and `other` (without another
+        point: the analytic per-layer slope at the anchor) reaches the limit; one past the anchor
+        when the line does not rise."""
+        n0, p0 = anchor
+        if other is not None and other[0] != n0:
+            slope = (other[1] - p0) / (other[0] - n0)
+        else:
+            slope = self._analytic(n0 + 1) - self._analytic(n0)
         return n0 + int((self.limit - p0) // slope) if slope > 0 else n0 + 1
 
     def result(self) -> dict:

@@ -134,7 +134,7 @@ def test_the_host_time_check_by_hand(tmp_path, monkeypatch):
     # 0.654, under 1 / 1.5 = 0.667, outside
     for proxy_ms, ratio, verdict in ((2.0, 1.536, "fails"), (2.5, 1.229, "passes"), (4.7, 0.654, "fails")):
         path = tmp_path / f"{proxy_ms}.csv"
-        host_ops._write_layer_host_time({**committed, "layer_ms": proxy_ms}, path)
+        host_ops.write_layer_host_time({**committed, "layer_ms": proxy_ms}, path)
         monkeypatch.setattr(validation, "read_layer_host_time", lambda p=path: host_ops.read_layer_host_time(p))
         timed = validation.host_time_check()
         assert timed["ratio"] == pytest.approx(ratio, abs=1e-3) and timed["passes"] == (verdict == "passes")
