@@ -6,6 +6,7 @@ and keeps without saying so, the kind the suite's storage tracker would miss, fa
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -44,14 +45,26 @@ class EngineAllocations(TorchDispatchMode):
             for t in torch.utils._pytree.tree_leaves(out):
                 if torch.is_tensor(t):
                     storage = t.untyped_storage()
-                    self.storages.setdefault(storage._cdata, (weakref.ref(storage), where))
+                    known = self.storages.get(storage._cdata)
+                    if known is None or known[0]() is None:  # a freed storage's address is reused
+                        self.storages[storage._cdata] = (weakref.ref(storage), where)
         return out
 
-    def unaccounted(self, engine: zero_impl.ZeroEngine) -> list[str]:
-        """Where each live storage (with bytes) the engine allocated and state_tensors() omits came from."""
+    def unaccounted(self, engine: zero_impl.ZeroEngine, settle_s: float = 10.0) -> list[str]:
+        """Where each live storage (with bytes) the engine allocated and state_tensors() omits came
+        from, once it has stayed live for settle_s. A synchronous gloo collective returns when its
+        work completes, but the backend's worker thread drops its reference to the work (and the
+        tensors in it) only after that (ProcessGroupGloo::runLoop resets workInProgress_ after
+        execute): on a loaded machine the norm's all-reduce buffer can outlive engine.step() by a
+        moment. A storage the engine keeps is still live after any wait."""
         held = {t.untyped_storage()._cdata for tensors in engine.state_tensors().values() for t in tensors}
-        return sorted(where for key, (ref, where) in self.storages.items()
-                      if ref() is not None and key not in held and ref().nbytes())
+        deadline = time.monotonic() + settle_s
+        while True:
+            live = sorted(where for key, (ref, where) in self.storages.items()
+                          if ref() is not None and key not in held and ref().nbytes())
+            if not live or time.monotonic() > deadline:
+                return live
+            time.sleep(0.01)
 
 
 def assert_kinds_disjoint(engine: zero_impl.ZeroEngine) -> None:
