@@ -72,7 +72,9 @@ class LiveStorages(TorchDispatchMode):
         for t in torch.utils._pytree.tree_leaves(out):
             if torch.is_tensor(t):
                 storage = t.untyped_storage()
-                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+                known = self.storages.get(storage._cdata)
+                if known is None or known[0].expired():  # a freed storage's address is reused
+                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
         return out
 
     @property
