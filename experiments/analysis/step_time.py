@@ -31,12 +31,14 @@ Per GPU and per step, with g micro-batches accumulated:
   DeepSpeed 2020's ZeRO-2 step, this engine's fused AdamW as `make proxies` counts it), plus its
   kernels per parameter tensor and per step at the floor; with no system, a fused Adam's (systems.optimizer_bytes_per_param).
 
-A system with a host model (System.host_s_per_kernel: megatron_ds2023) is priced differently
-for its micro-batches (host_windows): the host issues each kernel and collective call at a
-measured cost while the GPU runs ahead, until a host sync (Megatron-DeepSpeed's layer syncs twice
-in every forward, kernels.FUSED_LAYER_FORWARD_SYNCS); so each window between syncs (a layer's
-forward; a layer's recomputed forward and backward; the head's forward; its backward) takes
-max(host, device). Then kernel_floors is the host time the GPU waits for, sum max(0, host -
+A system with a host model (System.host_s_per_kernel: every system but zero_repro) is priced
+differently for its micro-batches (host_windows): the host issues each kernel and collective call
+at a measured cost while the GPU runs ahead, until a host sync. Where a system syncs in every
+layer (Megatron-DeepSpeed's layer twice in every forward, kernels.FUSED_LAYER_FORWARD_SYNCS;
+Megatron-LM 2019's RNG state on torch 1.1, systems.PAPER_STACK_RNG_SYNCS), each window between
+syncs (a layer's forward; a layer's recomputed forward and backward; the head's forward; its
+backward) takes about max(host, device); where it syncs once a micro-batch (DeepSpeed 2020 on torch
+1.2.0), the micro-batch is one window. Then kernel_floors is the host time the GPU waits for, sum max(0, host -
 device), and the device terms are as above; the per-kernel floor goes.
 
 TFLOPs/GPU use the suite's FLOP convention (Narayanan et al. 2021 Eq. 3, flops.py), not the
@@ -220,12 +222,18 @@ def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float
                 out += [(system.host_s_per_kernel, device / k.count)] * k.count
         return out
     fwd, bwd = launches(forward(shape)), launches(backward(shape))
-    # the forward's syncs (kernels.FUSED_LAYER_FORWARD_SYNCS) close a window per layer; with
-    # recomputation each layer's recomputed forward syncs too, so it and the backward issued after
-    # it share a window; without, the backward has no sync: one window
-    windows = [(window_s(fwd), x.layers)]
-    windows += [(window_s(fwd + bwd), x.layers)] if x.recompute else [(window_s(bwd * x.layers), 1)]
-    windows += [(window_s(launches(head_fwd(shape))), 1), (window_s(launches(head_bwd(shape))), 1)]
+    head = launches(head_fwd(shape)), launches(head_bwd(shape))
+    if system.host_sync_every_layer or x.pa_cpu:
+        # a sync in every layer's forward (systems.py: FUSED_LAYER_FORWARD_SYNCS, torch 1.1's RNG
+        # state; Pa+cpu's copy to the host) closes a window per layer; with recomputation each
+        # layer's recomputed forward syncs too, so it and the backward issued after it share a
+        # window; without, the backward has no sync: one window
+        windows = [(window_s(fwd), x.layers)]
+        windows += [(window_s(fwd + bwd), x.layers)] if x.recompute else [(window_s(bwd * x.layers), 1)]
+        windows += [(window_s(head[0]), 1), (window_s(head[1]), 1)]
+    else:   # the micro-batch's data sync only: the whole micro-batch in issue order
+        layers_backward = (fwd + bwd) * x.layers if x.recompute else bwd * x.layers
+        windows = [(window_s(fwd * x.layers + head[0] + head[1] + layers_backward), 1)]
     wall, host, device = (sum(w[i] * n for w, n in windows) for i in range(3))
     return {"host_s": host, "device_s": device, "wall_s": wall, "exposed_s": wall - device}
 

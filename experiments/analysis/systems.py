@@ -26,6 +26,14 @@ with torch DDP); DeepSpeed 2020's steps by stage, per-tensor overflow and norm c
 flat fused Adam; zero_repro steps its shard with torch's fused AdamW, as `make proxies`
 counts it (zero_repro_step).
 
+Each system but zero_repro has a host model (step_time.host_windows): the host issues its
+kernels at a cost per kernel while the GPU runs ahead of it, up to the next host sync. Where the
+stacks sync is read from their code and the torch release they ran: Megatron-DeepSpeed 2023's
+layer syncs twice in every forward (kernels.FUSED_LAYER_FORWARD_SYNCS); Megatron-LM 2019 on
+torch 1.1 syncs in every checkpointed layer (PAPER_STACK_RNG_SYNCS); DeepSpeed 2020 on torch
+1.2.0 once a micro-batch. The cost per kernel is the one measured on the development set
+(PAPER_STACKS_HOST_S_PER_KERNEL).
+
 A record of the suite's engine brings its own counts (calls and bytes per purpose): those
 replace the formula.
 """
@@ -62,9 +70,12 @@ class System:
     nccl: str = "2.7.8"                  # the NCCL release of its stack (nccl.VERSIONS)
     # the host model (step_time.host_windows): seconds the host spends per kernel it issues and
     # per collective call, the GPU running ahead of it between host syncs; None: each kernel
-    # costs the profile's additive kernel_floor_us instead (the paper's systems, zero_repro)
+    # costs the profile's additive kernel_floor_us instead (zero_repro)
     host_s_per_kernel: float | None = None
     host_s_per_collective: float = 0.0
+    # with a host model: whether every layer's forward (and its recomputation) syncs the host,
+    # closing a window per layer; else one window a micro-batch (its data's sync, then launches)
+    host_sync_every_layer: bool = True
     # the post-step parameter all-gathers (stages 1-2) are waited on by the next forward's modules
     # when overlap (megatron-core's overlap_param_gather): they hide behind that forward
     param_gather_overlap: bool = False
@@ -214,6 +225,28 @@ def megatron_float16_optimizer(e: int, stage: int) -> OptimizerStep:
 MEGATRON_DS2023_HOST_S_PER_KERNEL = 39.9e-6
 MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = 48.1e-6
 
+# The paper's stacks under the same host model. [assumption] Their host cost per kernel is the
+# development set's: it is the one measured host cost of Megatron's layer code on PyTorch, and no
+# measurement of Python 3.6 with torch 1.1-1.2 on a DGX-2's Xeons exists to replace it. Megatron-LM
+# 2019's measured 1.2B step (measured_steps.md, not the ZeRO paper's) checks it. The per-collective
+# residual is not carried over: it holds what NCCL 2.14.3's tuner misses on the A100 node, and
+# these stacks are priced with NCCL 2.7.8's.
+PAPER_STACKS_HOST_S_PER_KERNEL = MEGATRON_DS2023_HOST_S_PER_KERNEL
+# Where the paper's stacks sync the host inside a micro-batch. Megatron-LM @ a1d04b79 builds on
+# nvcr.io/nvidia/pytorch:19.05-py3 (docker/Dockerfile), a May 2019 torch, and its authors asked for
+# torch 1.1 (NVIDIA/Megatron-LM#7, 2019-09-10). That torch keeps the CUDA generator's 200 MTGP32
+# states on the device: torch.cuda.get_rng_state() copies them to the host with a blocking
+# cudaMemcpy, set_rng_state back (THCTensorRandom.cu, THCRandom_getRNGState / _setRNGState), until
+# pytorch/pytorch#21301 (June 2019, in torch 1.2) stopped reading them. Megatron's checkpoint gets
+# the state in every checkpointed layer's forward and backward (mpu/random.py:198, 215) and its
+# tracker forks it around each layer's attention dropout (mpu/transformer.py:140): every layer
+# syncs. DeepSpeed @ 97787881 pins torch 1.2.0 (Dockerfile): the same calls read host values there,
+# its checkpoint_boundary synchronize defaults to False, and what remains is the micro-batch's data
+# broadcast (Megatron-LM's mpu/data.py:54, sizes_cuda.cpu()) and, with Pa+cpu, every layer's
+# partition.cpu() (deepspeed_checkpointing.py:409). [assumption] The paper's Megatron and DDP
+# baselines ran Megatron-LM's stack, its ZeRO runs DeepSpeed's.
+PAPER_STACK_RNG_SYNCS = {"megatron2019": True, "pytorch_ddp": True, "deepspeed2020": False}
+
 
 # torch <= 1.4's fp16 kernels: "we typically see half operations go at ~80% of fp32 rate"
 # (N. Gimelshein, pytorch/pytorch#22612, 2019-07-15, of the pointwise kernels, which loaded one
@@ -230,16 +263,22 @@ SYSTEMS = {
                            "Megatron-LM model/distributed.py @ a1d04b79: flatten, divide, one blocking all_reduce "
                            "after backward, copy back one tensor at a time (at DP 1 too); FP16_Optimizer",
                            1, 2, fp16_optimizer_2019, grad_copies_without_dp=True,
-                           scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
+                           scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
+                           host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
+                           host_sync_every_layer=PAPER_STACK_RNG_SYNCS["megatron2019"]),
     "deepspeed2020": System("deepspeed2020", "ZeRO-100B (DeepSpeed 2020)", (0, 1, 2), False, 2,
                             "DeepSpeed deepspeed_zero_optimizer.py @ 97787881: bucket copy and divide, one "
                             "dist.reduce per partition a 5e8 bucket overlaps; overlap_comm False; all_gather after "
-                            "the step", 1, 1, deepspeed_2020, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
+                            "the step", 1, 1, deepspeed_2020, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
+                            host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
+                            host_sync_every_layer=PAPER_STACK_RNG_SYNCS["deepspeed2020"]),
     "pytorch_ddp": System("pytorch_ddp", "PyTorch DDP", (0,), True, 2,
                           "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets, each gradient copied in and out, "
                           "all-reduced during backward; stepped by Megatron-LM 2019's FP16_Optimizer [assumption: "
                           "the paper's DDP baseline ran Megatron's training loop with torch DDP]",
-                          2, 0, fp16_optimizer_2019, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS),
+                          2, 0, fp16_optimizer_2019, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
+                          host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
+                          host_sync_every_layer=PAPER_STACK_RNG_SYNCS["pytorch_ddp"]),
     "megatron_ds2023": System("megatron_ds2023", "Megatron-DeepSpeed 2023", (0,), False, 1,
                               "Megatron-DeepSpeed @ f01c9e6e (2023-06) on PyTorch 2.0.1, CUDA 11.8, NCCL 2.14.3 and apex "
                               "2386a912's fused kernels, fp16 [assumption: the development set does not state it], full "

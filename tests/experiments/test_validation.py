@@ -25,6 +25,33 @@ def test_a_window_runs_each_launch_when_both_host_and_gpu_are_ready():
     assert st.window_s([]) == (0.0, 0.0, 0.0)
 
 
+def test_the_papers_stacks_sync_the_host_where_their_torch_did():
+    paper = {name: systems.SYSTEMS[name] for name in ("megatron2019", "pytorch_ddp", "deepspeed2020")}
+    assert {n: (s.host_s_per_kernel, s.host_s_per_collective) for n, s in paper.items()} == {
+        n: (systems.MEGATRON_DS2023_HOST_S_PER_KERNEL, 0.0) for n in paper}
+    # torch 1.1's RNG state syncs every Megatron layer; DeepSpeed's torch 1.2.0 once a micro-batch
+    assert {n: s.host_sync_every_layer for n, s in paper.items()} == {
+        "megatron2019": True, "pytorch_ddp": True, "deepspeed2020": False}
+    x = st.StepInputs(layers=4, hidden=1024, heads=16, seq_len=1024, vocab=50304, micro_batch=1, tp=1, dp=1,
+                      stage=0, psi=1e8)
+    hw = profile("dgx2_v100")
+    per_layer, per_micro = (replace(paper["megatron2019"], host_s_per_kernel=1.0, host_sync_every_layer=every)
+                            for every in (True, False))
+    fwd, bwd, head_fwd, head_bwd = (sum(k.count for k in f(x.shape())) for f in kn.LAYERS["megatron2019"])
+    a, b = st.host_windows(x, hw, per_layer), st.host_windows(x, hw, per_micro)
+    # host-bound at 1 s a kernel: every window ends one kernel (microseconds) after its last
+    # launch, so the windows cost the host's seconds and each window's last kernel: ten windows
+    # (4 layers' forward, 4 recomputed forward and backward, the head's two), or one
+    host = 4 * fwd + 4 * (fwd + bwd) + head_fwd + head_bwd
+    assert a["host_s"] == b["host_s"] == pytest.approx(host)
+    assert 0 < b["wall_s"] - host < a["wall_s"] - host < 1e-2
+    # device-bound (no host cost): the syncs cost nothing more than the kernels
+    free = [replace(s, host_s_per_kernel=0.0) for s in (per_layer, per_micro)]
+    assert [st.host_windows(x, hw, s)["wall_s"] for s in free] == pytest.approx([a["device_s"]] * 2)
+    # with Pa+cpu DeepSpeed copies every layer's checkpoint to the host: a window per layer again
+    assert st.host_windows(replace(x, pa_cpu=True), hw, per_micro) == st.host_windows(replace(x, pa_cpu=True), hw, per_layer)
+
+
 def test_nccl_2_14_on_an_a100_node_worked_by_hand():
     nccl = replace(profile("dgx_a100").collectives, version="2.14.3")
     assert (nccl.nvlink_links, nccl.nvlink_gb_per_s, nccl.compute_capability) == (12, 22, 80)
