@@ -135,8 +135,8 @@ SOURCES = {
     "dgx_a100.hbm_gb_per_s": "2039: NVIDIA A100 80 GB SXM datasheet (HBM2e, 2,039 GB/s)",
     "dgx_a100.hbm_fraction": "0.9 [unverified]: a streaming kernel's fraction of the HBM peak on A100, as STREAM-like "
                              "GPU benchmarks (BabelStream) report it (about 1.4 of 1.555 TB/s on the 40 GB part)",
-    "dgx_a100.kernel_floor_us": "5: PyTorch per-op host overhead with autograd (pytorch/pytorch#41383); systems "
-                                "with a host model (all but zero_repro) use their own measured cost instead",
+    "dgx_a100.kernel_floor_us": "5: PyTorch per-op host overhead with autograd (pytorch/pytorch#41383); a host "
+                                "model's layers (systems.py) cost its own per-kernel time instead",
     "dgx_a100.gpus_per_node": "8: NVIDIA DGX A100 datasheet",
     "dgx_a100.nvlink_links": "12 NVLink 3 links per A100 into six NVSwitches: NVIDIA A100 datasheet / DGX A100 "
                              "datasheet (600 GB/s per GPU, both directions)",

@@ -33,12 +33,13 @@ Per GPU and per step, with g micro-batches accumulated:
 
 A system with a host model (System.host_s_per_kernel: every system but zero_repro) is priced
 differently for its micro-batches (host_windows): the host issues each kernel and collective call
-at a measured cost while the GPU runs ahead, until a host sync. Where a system syncs in every
-layer (Megatron-DeepSpeed's layer twice in every forward, kernels.FUSED_LAYER_FORWARD_SYNCS;
-Megatron-LM 2019's RNG state on torch 1.1, systems.PAPER_STACK_RNG_SYNCS), each window between
-syncs (a layer's forward; a layer's recomputed forward and backward; the head's forward; its
-backward) takes about max(host, device); where it syncs once a micro-batch (DeepSpeed 2020 on torch
-1.2.0), the micro-batch is one window. Then kernel_floors is the host time the GPU waits for, sum max(0, host -
+at a measured cost while the GPU runs ahead, until a host sync (System.host_syncs). Where a system
+syncs in every layer (Megatron-DeepSpeed's layer twice in every forward,
+kernels.FUSED_LAYER_FORWARD_SYNCS; Megatron-LM 2019's RNG state on torch 1.1,
+systems.PAPER_STACK_HOST_SYNCS, whose copies add their PCIe time), each window between syncs (a
+layer's forward; a layer's recomputed forward and backward, two windows where the RNG state is
+set between them; the head's forward; its backward) takes about max(host, device); where the
+loop syncs around the forward and the backward (DeepSpeed 2020's Megatron), those are two windows. Then kernel_floors is the host time the GPU waits for, sum max(0, host -
 device), and the device terms are as above; the per-kernel floor goes.
 
 TFLOPs/GPU use the suite's FLOP convention (Narayanan et al. 2021 Eq. 3, flops.py), not the
@@ -53,8 +54,8 @@ from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
 from experiments.analysis.kernels import LAYERS, ComputeTime, LayerShape, compute_time, step_kernels
 from experiments.analysis.nccl import Nccl, concurrent_groups
-from experiments.analysis.systems import (SYSTEMS, DpPlan, System, dp_plan, optimizer_bytes_per_param,
-                                          parameter_tensors, record_plan)
+from experiments.analysis.systems import (HOST_SYNCS, RNG_STATE_BYTES, RNG_STATE_COPIES, SYSTEMS, DpPlan, System,
+                                          dp_plan, optimizer_bytes_per_param, parameter_tensors, record_plan)
 
 TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "pa", "offload",
          "optimizer")
@@ -222,20 +223,32 @@ def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float
                 out += [(system.host_s_per_kernel, device / k.count)] * k.count
         return out
     fwd, bwd = launches(forward(shape)), launches(backward(shape))
-    head = launches(head_fwd(shape)), launches(head_bwd(shape))
-    if system.host_sync_every_layer or x.pa_cpu:
-        # a sync in every layer's forward (systems.py: FUSED_LAYER_FORWARD_SYNCS, torch 1.1's RNG
-        # state; Pa+cpu's copy to the host) closes a window per layer; with recomputation each
-        # layer's recomputed forward syncs too, so it and the backward issued after it share a
-        # window; without, the backward has no sync: one window
+    head_f, head_b = launches(head_fwd(shape)), launches(head_bwd(shape))
+    syncs = "layer" if x.pa_cpu and system.host_syncs == "forward_backward" else system.host_syncs
+    if syncs not in HOST_SYNCS:
+        raise ValueError(f"system {system.name}: host_syncs must be one of {list(HOST_SYNCS)}, got {syncs!r}")
+    layers_backward = (fwd + bwd) * x.layers if x.recompute else bwd * x.layers
+    copies_s = 0.0
+    if syncs == "forward_backward":   # the training loop's timers: the forward, then the backward
+        windows = [(window_s(fwd * x.layers + head_f), 1), (window_s(head_b + layers_backward), 1)]
+    else:
+        # a sync in every layer's forward closes a window per layer; with recomputation each
+        # layer's recomputed forward syncs too, so it and its backward share a window ("layer")
+        # or, where the RNG state is set again between them, are two ("rng_state"); without
+        # recomputation the backward has no sync: one window
         windows = [(window_s(fwd), x.layers)]
-        windows += [(window_s(fwd + bwd), x.layers)] if x.recompute else [(window_s(bwd * x.layers), 1)]
-        windows += [(window_s(head[0]), 1), (window_s(head[1]), 1)]
-    else:   # the micro-batch's data sync only: the whole micro-batch in issue order
-        layers_backward = (fwd + bwd) * x.layers if x.recompute else bwd * x.layers
-        windows = [(window_s(fwd * x.layers + head[0] + head[1] + layers_backward), 1)]
+        if not x.recompute:
+            windows += [(window_s(layers_backward), 1)]
+        elif syncs == "layer":
+            windows += [(window_s(fwd + bwd), x.layers)]
+        else:
+            windows += [(window_s(fwd), x.layers), (window_s(bwd), x.layers)]
+        windows += [(window_s(head_f), 1), (window_s(head_b), 1)]
+        if syncs == "rng_state":   # each copy blocks the host on a drained GPU
+            copies_s = x.layers * RNG_STATE_COPIES[x.recompute] * RNG_STATE_BYTES / hw.pcie_bytes_per_s
     wall, host, device = (sum(w[i] * n for w, n in windows) for i in range(3))
-    return {"host_s": host, "device_s": device, "wall_s": wall, "exposed_s": wall - device}
+    wall += copies_s
+    return {"host_s": host, "device_s": device, "wall_s": wall, "exposed_s": wall - device, "rng_copies_s": copies_s}
 
 
 def pa_s(x: StepInputs, hw: Hardware) -> float:
@@ -339,13 +352,13 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str,
 
 
 def system_hardware(hw: Hardware, system: str | System) -> Hardware:
-    """hw as `system`'s stack sees it: NCCL's cost model of its release, and with a host model
-    its measured host cost per kernel in place of the profile's kernel floor (the optimizer's and
-    the gradient copies' kernels)."""
+    """hw as `system`'s stack sees it: NCCL's cost model of its release, and where the system
+    charges its step's kernels (the optimizer's and the gradient copies') at its host cost per
+    kernel, that cost in place of the profile's kernel floor."""
     sys = resolve_system(system)
     if isinstance(hw.collectives, Nccl) and hw.collectives.version != sys.nccl:
         hw = replace(hw, collectives=replace(hw.collectives, version=sys.nccl))
-    if sys.host_s_per_kernel is not None:
+    if sys.host_s_per_kernel is not None and sys.step_kernels_at_host_cost:
         hw = replace(hw, kernel_floor_s=sys.host_s_per_kernel)
     return hw
 
@@ -365,7 +378,7 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str | System = "zero
     if sys.host_s_per_kernel is not None:
         host = host_windows(x, hw, sys)
         floors = g * host["exposed_s"]
-        details = {"host_s": g * host["host_s"], "device_s": g * host["device_s"],
+        details = {"host_s": g * host["host_s"], "device_s": g * host["device_s"], "rng_copies_s": g * host["rng_copies_s"],
                    "host_s_per_kernel": sys.host_s_per_kernel, "host_s_per_collective": sys.host_s_per_collective}
     terms = {"compute_gemm": g * micro.gemm_s, "compute_memory_bound": g * micro.memory_bound_s + dp["copy"].memory_bound_s,
              "kernel_floors": floors + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),

@@ -67,7 +67,8 @@ def test_layer_gemm_flops_are_eq3s_and_backward_doubles_them():
 
 
 def additive(name: str) -> systems.System:
-    """A system without its host model: every kernel at the profile's additive floor."""
+    """A system without its host model: every kernel at the profile's additive floor, as
+    zero_repro is priced."""
     return replace(systems.SYSTEMS[name], host_s_per_kernel=None)
 
 
@@ -85,6 +86,11 @@ def test_phases_and_the_terms_they_give():
     assert p.terms["compute_memory_bound"] == pytest.approx(total.memory_bound_s + 3 * 2 * 1e9 * 2 / (500e9 * 0.8))
     assert p.terms["kernel_floors"] == pytest.approx(total.floors_s + (2 + 124) * 10e-6)
     assert st.predict(x, HW, additive("pytorch_ddp")).terms["kernel_floors"] == pytest.approx(total.floors_s)
+    # under its host model the micro-batch's floors are the host time the GPU waits for (RNG state
+    # copies included); the gradient copies stay at the profile's floor
+    window = st.host_windows(x, HW, systems.SYSTEMS["megatron2019"])
+    assert window["rng_copies_s"] == pytest.approx(10 * 12 * 824000 / 10e9)
+    assert st.predict(x, HW, "megatron2019").terms["kernel_floors"] == pytest.approx(window["exposed_s"] + (2 + 124) * 10e-6)
     assert (p.terms["tp_comm"], p.terms["dp_comm_exposed"]) == (0.0, 0.0)
     assert p.step_s == pytest.approx(sum(p.terms.values()))
     assert p.tflops_per_gpu == pytest.approx(st.flops_per_gpu(x) / p.step_s / 1e12)

@@ -25,31 +25,66 @@ def test_a_window_runs_each_launch_when_both_host_and_gpu_are_ready():
     assert st.window_s([]) == (0.0, 0.0, 0.0)
 
 
-def test_the_papers_stacks_sync_the_host_where_their_torch_did():
-    paper = {name: systems.SYSTEMS[name] for name in ("megatron2019", "pytorch_ddp", "deepspeed2020")}
-    assert {n: (s.host_s_per_kernel, s.host_s_per_collective) for n, s in paper.items()} == {
-        n: (systems.MEGATRON_DS2023_HOST_S_PER_KERNEL, 0.0) for n in paper}
-    # torch 1.1's RNG state syncs every Megatron layer; DeepSpeed's torch 1.2.0 once a micro-batch
-    assert {n: s.host_sync_every_layer for n, s in paper.items()} == {
-        "megatron2019": True, "pytorch_ddp": True, "deepspeed2020": False}
-    x = st.StepInputs(layers=4, hidden=1024, heads=16, seq_len=1024, vocab=50304, micro_batch=1, tp=1, dp=1,
+class Launch:
+    """A kernel of known device seconds, for windows worked by hand."""
+
+    count, all_reduce_bytes = 1, 0.0
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def times(self, hw, fraction=1.0) -> tuple[float, float]:
+        return self.seconds, 0.0
+
+
+def test_each_sync_structure_worked_by_hand(monkeypatch):
+    # a layer of one 1 ms forward kernel and one 5 ms backward kernel, a head of 2 ms forward and
+    # 0.5 ms backward, every kernel issued at 2 ms of host time; two layers, recomputed
+    monkeypatch.setitem(st.LAYERS, "by_hand", (lambda s: [Launch(1e-3)], lambda s: [Launch(5e-3)],
+                                               lambda s: [Launch(2e-3)], lambda s: [Launch(0.5e-3)]))
+    x = st.StepInputs(layers=2, hidden=1024, heads=16, seq_len=1024, vocab=50304, micro_batch=1, tp=1, dp=1,
                       stage=0, psi=1e8)
     hw = profile("dgx2_v100")
-    per_layer, per_micro = (replace(paper["megatron2019"], host_s_per_kernel=1.0, host_sync_every_layer=every)
-                            for every in (True, False))
-    fwd, bwd, head_fwd, head_bwd = (sum(k.count for k in f(x.shape())) for f in kn.LAYERS["megatron2019"])
-    a, b = st.host_windows(x, hw, per_layer), st.host_windows(x, hw, per_micro)
-    # host-bound at 1 s a kernel: every window ends one kernel (microseconds) after its last
-    # launch, so the windows cost the host's seconds and each window's last kernel: ten windows
-    # (4 layers' forward, 4 recomputed forward and backward, the head's two), or one
-    host = 4 * fwd + 4 * (fwd + bwd) + head_fwd + head_bwd
-    assert a["host_s"] == b["host_s"] == pytest.approx(host)
-    assert 0 < b["wall_s"] - host < a["wall_s"] - host < 1e-2
-    # device-bound (no host cost): the syncs cost nothing more than the kernels
-    free = [replace(s, host_s_per_kernel=0.0) for s in (per_layer, per_micro)]
-    assert [st.host_windows(x, hw, s)["wall_s"] for s in free] == pytest.approx([a["device_s"]] * 2)
-    # with Pa+cpu DeepSpeed copies every layer's checkpoint to the host: a window per layer again
-    assert st.host_windows(replace(x, pa_cpu=True), hw, per_micro) == st.host_windows(replace(x, pa_cpu=True), hw, per_layer)
+    by = {syncs: st.host_windows(x, hw, replace(systems.SYSTEMS["megatron2019"], layer="by_hand", host_s_per_kernel=2e-3,
+                                                host_syncs=syncs)) for syncs in systems.HOST_SYNCS}
+    # forward_backward: [L1 fwd, L2 fwd, head fwd] issued at 2, 4, 6 ms, run 2-3, 4-5, 6-8: 8 ms;
+    # [head bwd, (recompute, bwd) x 2] issued at 2, 4, 6, 8, 10, run 2-2.5, 4-5, 6-11, 11-12, 12-17:
+    # 17 ms (issued in another order, head last: 15.5)
+    assert by["forward_backward"]["wall_s"] == pytest.approx(25e-3)
+    # layer: 2 forward windows of 3 ms, 2 of recompute and backward (2-3, 4-9) of 9, the head's 4 and 2.5
+    assert by["layer"]["wall_s"] == pytest.approx(2 * 3e-3 + 2 * 9e-3 + 4e-3 + 2.5e-3)
+    # rng_state: the recomputed forward (3 ms) and the backward (2-7: 7 ms) apart, and 12 copies of
+    # the 824,000 B RNG state a layer at PCIe's 12 GB/s
+    copies = 2 * 12 * 200 * 4120 / 12e9
+    assert by["rng_state"]["rng_copies_s"] == pytest.approx(copies)
+    assert by["rng_state"]["wall_s"] == pytest.approx(2 * 3e-3 + 2 * 3e-3 + 2 * 7e-3 + 4e-3 + 2.5e-3 + copies)
+    assert {k: v["host_s"] for k, v in by.items()} == pytest.approx({k: 8 * 2e-3 for k in by})  # 8 launches
+    assert {k: v["device_s"] for k, v in by.items()} == pytest.approx({k: 2 * 1e-3 + 2 * 6e-3 + 2.5e-3 for k in by})
+    # without recomputation the backward has no sync, and the dropout's four copies remain
+    plain = replace(x, recompute=False)
+    rng = st.host_windows(plain, hw, replace(systems.SYSTEMS["megatron2019"], layer="by_hand", host_s_per_kernel=2e-3))
+    assert rng["rng_copies_s"] == pytest.approx(2 * 4 * 200 * 4120 / 12e9)
+    assert rng["wall_s"] - rng["rng_copies_s"] == pytest.approx(2 * 3e-3 + 12e-3 + 4e-3 + 2.5e-3)  # bwd: 2-7, 7-12
+    # with Pa+cpu DeepSpeed copies every layer's checkpoint to the host: a window per layer
+    pa_cpu = replace(x, pa_cpu=True)
+    ds = replace(systems.SYSTEMS["deepspeed2020"], layer="by_hand", host_s_per_kernel=2e-3)
+    assert st.host_windows(pa_cpu, hw, ds)["wall_s"] == pytest.approx(by["layer"]["wall_s"])
+    with pytest.raises(ValueError, match="host_syncs must be one of"):
+        st.host_windows(x, hw, replace(ds, host_syncs=None))
+
+
+def test_the_papers_stacks_host_model():
+    paper = {name: systems.SYSTEMS[name] for name in ("megatron2019", "pytorch_ddp", "deepspeed2020")}
+    assert {n: (s.host_s_per_kernel, s.host_s_per_collective, s.step_kernels_at_host_cost) for n, s in paper.items()} \
+        == {n: (systems.MEGATRON_DS2023_HOST_S_PER_KERNEL, 0.0, False) for n in paper}
+    # torch 1.1's RNG state syncs every Megatron layer; DeepSpeed's torch 1.2.0 copies nothing
+    assert {n: s.host_syncs for n, s in paper.items()} == {
+        "megatron2019": "rng_state", "pytorch_ddp": "rng_state", "deepspeed2020": "forward_backward"}
+    # their step's kernels stay at the profile's floor; megatron_ds2023's at its host cost
+    hw = profile("dgx2_v100")
+    assert all(st.system_hardware(hw, n).kernel_floor_s == hw.kernel_floor_s == pytest.approx(5e-6) for n in paper)
+    assert st.system_hardware(hw, "megatron_ds2023").kernel_floor_s == systems.MEGATRON_DS2023_HOST_S_PER_KERNEL
+    assert all(s.host_syncs in systems.HOST_SYNCS for s in systems.SYSTEMS.values() if s.host_s_per_kernel is not None)
 
 
 def test_nccl_2_14_on_an_a100_node_worked_by_hand():
@@ -118,8 +153,9 @@ def test_the_host_bound_step_is_its_host_time():
     p = st.predict(x, profile("dgx_a100"), "megatron_ds2023")
     assert p.terms["kernel_floors"] == pytest.approx(win["exposed_s"])
     assert p.terms["compute_gemm"] + p.terms["compute_memory_bound"] + p.terms["kernel_floors"] == pytest.approx(win["wall_s"])
-    # the paper's systems keep NCCL 2.7.8 and the additive floor on the same profile
+    # the paper's systems keep NCCL 2.7.8 and their step's kernels at the floor on the same profile
     assert st.system_hardware(profile("dgx_a100"), "megatron2019").collectives.version == "2.7.8"
+    assert st.system_hardware(profile("dgx_a100"), "megatron2019").kernel_floor_s == pytest.approx(5e-6)
 
 
 def test_the_host_costs_are_their_measurement_on_the_development_set():

@@ -81,14 +81,18 @@ class LiveStorages(TorchDispatchMode):
     def bytes(self) -> int:
         return sum(n for ref, n in self.storages.values() if not ref.expired())
 
-    def settled_bytes(self) -> int:
+    def settled_bytes(self, quiet_s: float = 0.3, deadline_s: float = 10.0) -> int:
         """bytes, once gloo's worker threads have dropped the tensors of finished collectives
-        (a matmul output all-reduced in place lives a moment longer there): nothing allocates
-        meanwhile, so the least of a few readings."""
+        (a matmul output all-reduced in place lives a moment longer there: ProcessGroupGloo's
+        worker resets its work after completing it): nothing allocates meanwhile, so the reading
+        only falls; it is taken once it has not fallen for quiet_s (a loaded machine's worker
+        may take longer than one short wait), or at deadline_s."""
+        start = last_drop = time.monotonic()
         least = self.bytes
-        for _ in range(30):
+        while time.monotonic() - last_drop < quiet_s and time.monotonic() - start < deadline_s:
             time.sleep(0.01)
-            least = min(least, self.bytes)
+            if (now := self.bytes) < least:
+                least, last_drop = now, time.monotonic()
         return least
 
 
