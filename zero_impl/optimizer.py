@@ -128,8 +128,9 @@ class ShardedOptimizer:
 
     # -- the step: no host sync, launches independent of the bucket count ------------------------
     def global_grad_sums(self) -> torch.Tensor:
-        """The sum of squares of the global gradient, all-reduced over the DP and TP groups, a
-        device tensor summed in fp32 (in the gradients' own dtype when wider: fp64). One element;
+        """The sum of squares of the global gradient, all-reduced over the DP (not at stage 0,
+        where each rank holds all of it) and TP groups, a device tensor summed in fp32 (in the
+        gradients' own dtype when wider: fp64). One element;
         under tensor parallelism two, [counted, all]: TP duplicates are counted once in the
         first, and the second holds every element for the overflow test (every rank makes the
         same two-element call, whichever pieces it excludes). One foreach norm over all shards
@@ -149,9 +150,8 @@ class ShardedOptimizer:
             sums = torch.stack([counted, total])
         else:
             sums = total.reshape(1)
-        if self.grads_replicated and self.dp.size > 1:
-            sums /= self.dp.size  # every DP rank holds the same full gradient: count it once
-        self.dp.all_reduce(sums, purpose="norm")
+        if not self.grads_replicated:  # stage 0: every DP rank holds the same all-reduced gradient,
+            self.dp.all_reduce(sums, purpose="norm")  # bitwise, so its own sums are the global ones
         self.mp.all_reduce(sums, purpose="norm")
         return sums
 

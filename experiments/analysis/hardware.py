@@ -136,7 +136,8 @@ SOURCES = {
     "dgx_a100.hbm_fraction": "0.9 [unverified]: a streaming kernel's fraction of the HBM peak on A100, as STREAM-like "
                              "GPU benchmarks (BabelStream) report it (about 1.4 of 1.555 TB/s on the 40 GB part)",
     "dgx_a100.kernel_floor_us": "5: PyTorch per-op host overhead with autograd (pytorch/pytorch#41383); a host "
-                                "model's layers (systems.py) cost its own per-kernel time instead",
+                                "model's layers (systems.py) cost its own per-kernel time instead, and "
+                                "megatron_ds2023's step kernels too",
     "dgx_a100.gpus_per_node": "8: NVIDIA DGX A100 datasheet",
     "dgx_a100.nvlink_links": "12 NVLink 3 links per A100 into six NVSwitches: NVIDIA A100 datasheet / DGX A100 "
                              "datasheet (600 GB/s per GPU, both directions)",

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from experiments.analysis.hardware import Hardware
 
 MASK_BYTES = 1  # a dropout mask element (torch's bool/uint8)
+ATTENTION_DROPOUT = "attention dropout"  # Megatron-LM 2019 forks the RNG state around it (systems.py)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def layer_forward(x: LayerShape) -> list[Kernel]:
         gemm("scores", s, s, d, e, batch),
         elementwise("mask multiply, subtract", S, 2, 2, e, count=2),
         elementwise("softmax", S, 1, 1, e),
-        elementwise("attention dropout", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
+        elementwise(ATTENTION_DROPOUT, S, 1, 1, e, extra_bytes=S * MASK_BYTES),
         gemm("context", s, d, s, e, batch),
         elementwise("context permute copy", part, 1, 1, e),
         gemm("projection", T, h, h // t, e),
@@ -272,7 +273,7 @@ def layer_forward_fused(x: LayerShape) -> list[Kernel]:
         gemm("QKV (bias in the epilogue)", T, 3 * h // t, h, e),
         gemm("scores (baddbmm, scaled)", s, s, d, e, batch),
         *_softmax_forward(x),
-        elementwise("attention dropout", S, 1, 1, e, extra_bytes=S * MASK_BYTES),
+        elementwise(ATTENTION_DROPOUT, S, 1, 1, e, extra_bytes=S * MASK_BYTES),
         gemm("context (bmm)", s, d, s, e, batch),
         elementwise("context permute copy", part, 1, 1, e),
         gemm("projection", T, h, h // t, e),

@@ -33,13 +33,14 @@ Per GPU and per step, with g micro-batches accumulated:
 
 A system with a host model (System.host_s_per_kernel: every system but zero_repro) is priced
 differently for its micro-batches (host_windows): the host issues each kernel and collective call
-at a measured cost while the GPU runs ahead, until a host sync (System.host_syncs). Where a system
-syncs in every layer (Megatron-DeepSpeed's layer twice in every forward,
-kernels.FUSED_LAYER_FORWARD_SYNCS; Megatron-LM 2019's RNG state on torch 1.1,
-systems.PAPER_STACK_HOST_SYNCS, whose copies add their PCIe time), each window between syncs (a
-layer's forward; a layer's recomputed forward and backward, two windows where the RNG state is
-set between them; the head's forward; its backward) takes about max(host, device); where the
-loop syncs around the forward and the backward (DeepSpeed 2020's Megatron), those are two windows. Then kernel_floors is the host time the GPU waits for, sum max(0, host -
+at a measured cost while the GPU runs ahead, until a host sync (System.host_syncs), so each
+window between syncs takes about max(host, device). Megatron-DeepSpeed's layer syncs twice in
+every forward (kernels.FUSED_LAYER_FORWARD_SYNCS): windows of a layer's forward, of its
+recomputed forward with its backward, of the head's forward and of its backward. Megatron-LM 2019
+on torch 1.1 copies the RNG state around every attention dropout and at every checkpoint
+(systems.PAPER_STACK_HOST_SYNCS): a layer's forward is three windows, its backward one more, and
+the copies add their PCIe time. DeepSpeed 2020's Megatron syncs around the forward and the
+backward: two windows. Then kernel_floors is the host time the GPU waits for, sum max(0, host -
 device), and the device terms are as above; the per-kernel floor goes.
 
 TFLOPs/GPU use the suite's FLOP convention (Narayanan et al. 2021 Eq. 3, flops.py), not the
@@ -52,7 +53,7 @@ from math import ceil
 
 from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
-from experiments.analysis.kernels import LAYERS, ComputeTime, LayerShape, compute_time, step_kernels
+from experiments.analysis.kernels import ATTENTION_DROPOUT, LAYERS, ComputeTime, LayerShape, compute_time, step_kernels
 from experiments.analysis.nccl import Nccl, concurrent_groups
 from experiments.analysis.systems import (HOST_SYNCS, RNG_STATE_BYTES, RNG_STATE_COPIES, SYSTEMS, DpPlan, System,
                                           dp_plan, optimizer_bytes_per_param, parameter_tensors, record_plan)
@@ -222,7 +223,8 @@ def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float
                 device, _ = k.times(hw, fraction)
                 out += [(system.host_s_per_kernel, device / k.count)] * k.count
         return out
-    fwd, bwd = launches(forward(shape)), launches(backward(shape))
+    layer_fwd = forward(shape)
+    fwd, bwd = launches(layer_fwd), launches(backward(shape))
     head_f, head_b = launches(head_fwd(shape)), launches(head_bwd(shape))
     syncs = "layer" if x.pa_cpu and system.host_syncs == "forward_backward" else system.host_syncs
     if syncs not in HOST_SYNCS:
@@ -232,22 +234,26 @@ def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float
     if syncs == "forward_backward":   # the training loop's timers: the forward, then the backward
         windows = [(window_s(fwd * x.layers + head_f), 1), (window_s(head_b + layers_backward), 1)]
     else:
-        # a sync in every layer's forward closes a window per layer; with recomputation each
-        # layer's recomputed forward syncs too, so it and its backward share a window ("layer")
-        # or, where the RNG state is set again between them, are two ("rng_state"); without
-        # recomputation the backward has no sync: one window
-        windows = [(window_s(fwd), x.layers)]
+        if syncs == "layer":   # the layer's syncs close a window per layer's forward
+            forward_windows = [(window_s(fwd), x.layers)]
+        else:   # the RNG tracker's fork syncs before and after the attention dropout: three windows
+            cut = next(i for i, k in enumerate(layer_fwd) if k.name == ATTENTION_DROPOUT)
+            forward_windows = [(window_s(launches(part)), x.layers)
+                               for part in (layer_fwd[:cut], layer_fwd[cut:cut + 1], layer_fwd[cut + 1:])]
+            copies_s = x.layers * RNG_STATE_COPIES[x.recompute] * RNG_STATE_BYTES / hw.pcie_bytes_per_s
+        # with recomputation each layer's recomputed forward syncs as its forward does, and its
+        # backward shares the last window ("layer") or, where the checkpoint sets the RNG state
+        # between them, has its own ("rng_state"); without, the backward has no sync: one window
+        windows = list(forward_windows)
         if not x.recompute:
             windows += [(window_s(layers_backward), 1)]
         elif syncs == "layer":
             windows += [(window_s(fwd + bwd), x.layers)]
         else:
-            windows += [(window_s(fwd), x.layers), (window_s(bwd), x.layers)]
+            windows += forward_windows + [(window_s(bwd), x.layers)]
         windows += [(window_s(head_f), 1), (window_s(head_b), 1)]
-        if syncs == "rng_state":   # each copy blocks the host on a drained GPU
-            copies_s = x.layers * RNG_STATE_COPIES[x.recompute] * RNG_STATE_BYTES / hw.pcie_bytes_per_s
     wall, host, device = (sum(w[i] * n for w, n in windows) for i in range(3))
-    wall += copies_s
+    wall += copies_s   # each copy blocks the host on a drained GPU
     return {"host_s": host, "device_s": device, "wall_s": wall, "exposed_s": wall - device, "rng_copies_s": copies_s}
 
 

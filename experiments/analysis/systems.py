@@ -30,9 +30,10 @@ Each system but zero_repro has a host model (step_time.host_windows): the host i
 layers' kernels at a cost per kernel while the GPU runs ahead of it, up to the next host sync.
 Where the stacks sync is read from their code and the torch release they ran (HOST_SYNCS):
 Megatron-DeepSpeed 2023's layer twice in every forward (kernels.FUSED_LAYER_FORWARD_SYNCS);
-Megatron-LM 2019 on torch 1.1 in every checkpointed layer, copying the RNG state each time;
-DeepSpeed 2020 on torch 1.2.0 around the forward and the backward (PAPER_STACK_HOST_SYNCS). The
-cost per kernel is the one measured on the development set (PAPER_STACKS_HOST_S_PER_KERNEL).
+Megatron-LM 2019 on torch 1.1 around every layer's attention dropout and at its checkpoint,
+copying the RNG state each time; DeepSpeed 2020's Megatron around the forward and the backward,
+its timers' syncs (PAPER_STACK_HOST_SYNCS). The cost per kernel is the one measured on the
+development set (PAPER_STACKS_HOST_S_PER_KERNEL).
 
 A record of the suite's engine brings its own counts (calls and bytes per purpose): those
 replace the formula.
@@ -78,6 +79,11 @@ class System:
     # with a host model: its step's kernels (optimizer, gradient copies) at its host cost per
     # kernel too; else at the profile's kernel floor, a plain loop's per-op cost
     step_kernels_at_host_cost: bool = False
+
+    def __post_init__(self) -> None:
+        if self.host_s_per_kernel is not None and self.host_syncs not in HOST_SYNCS:
+            raise ValueError(f"system {self.name}: a host model needs host_syncs, one of {list(HOST_SYNCS)}, "
+                             f"got {self.host_syncs!r}")
     # the post-step parameter all-gathers (stages 1-2) are waited on by the next forward's modules
     # when overlap (megatron-core's overlap_param_gather): they hide behind that forward
     param_gather_overlap: bool = False
@@ -119,8 +125,8 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
 # zero_repro's optimizer step (zero_impl/optimizer.py, torch's fused AdamW as experiments/run/build.py
 # builds it on CUDA), as issue 30's engine runs it at stages 1-3: no host sync, and launches
 # independent of the bucket count. Kernels a step, counted by the dispatch mode (make proxies:
-# experiments/bench_proxies.py, results/reference/bench/proxies.md, whose fp32 row reads 9 at
-# stages 1-3 and 10 at stage 0; tests/zero_impl/test_step_dispatch.py counts every precision):
+# experiments/bench_proxies.py, results/reference/bench/proxies.md, whose fp32 rows read 9 at
+# every stage; tests/zero_impl/test_step_dispatch.py counts every precision):
 # 9 in fp32, 10 in bf16, 19 in fp16 (its loss scaling: the unscale, found_inf, the scale update).
 # Bytes per owned element, pass by pass: fp32, the gradient norm's read 4 and fused AdamW's 28
 # (gradient, parameter, m, v read; parameter, m, v written): 32; bf16 (gradients reduced into an
@@ -128,7 +134,6 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
 # 2, the cast to fp32 2 + 4, AdamW 28, the copy back 4 + 2: 42. The clip and the DP average are
 # folded into AdamW's divisor (no pass). The model's element bytes do not tell bf16 from fp16:
 # half precision takes fp16's count (the paper's V100 points; bf16 moves 4 B and 9 kernels less).
-# [assumption] half precision's stage 0 adds the one kernel fp32's stage 0 adds (proxies.md).
 ZERO_REPRO_STEP_KERNELS = {4: 9, 2: 19}
 ZERO_REPRO_STEP_PASSES = {4: {"gradient norm": 4, "fused AdamW": 28},
                           2: {"gradient norm (fp16)": 2, "gradient to fp32": 2 + 4, "fused AdamW": 28,
@@ -139,8 +144,7 @@ def zero_repro_step(e: int, stage: int) -> OptimizerStep:
     """This engine's step on the elements it owns (ZERO_REPRO_STEP_PASSES, _KERNELS), e the
     model's element bytes (fp32: 4, half precision: 2)."""
     half = 4 if e >= 4 else 2
-    return OptimizerStep({}, dict(ZERO_REPRO_STEP_PASSES[half]),
-                         kernels_per_step=ZERO_REPRO_STEP_KERNELS[half] + (1 if stage == 0 else 0))
+    return OptimizerStep({}, dict(ZERO_REPRO_STEP_PASSES[half]), kernels_per_step=ZERO_REPRO_STEP_KERNELS[half])
 
 
 def fp16_optimizer_2019(e: int, stage: int) -> OptimizerStep:
@@ -229,16 +233,18 @@ MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = 48.1e-6
 
 # Where a system with a host model syncs the host inside a micro-batch (step_time.host_windows):
 # "layer": twice in every layer's forward, recomputed forward included (megatron_ds2023);
-# "rng_state": torch 1.1's RNG state copies in every checkpointed layer (below), whose backward
-# also syncs between the recomputed forward and the backward; "forward_backward": around the
-# forward and around the backward (the training loop's timers), every layer only with Pa+cpu.
+# "rng_state": torch 1.1's RNG state copies before and after every layer's attention dropout and
+# at its checkpoint (below), which also syncs between the recomputed forward and the backward;
+# "forward_backward": around the forward and around the backward (the training loop's timers),
+# every layer only with Pa+cpu. Each also syncs around the forward and the backward.
 HOST_SYNCS = ("layer", "rng_state", "forward_backward")
 
 # The paper's stacks under the same host model. [assumption] Their host cost per kernel of a
 # layer is the development set's: it is the one measured host cost of Megatron's layer code on
 # PyTorch, and no measurement of Python 3.6 with torch 1.1-1.2 on a DGX-2's Xeons exists to replace
-# it. Their step's kernels, a plain per-tensor loop, stay at the profile's per-op floor
-# (pytorch/pytorch#41383): the layer's cost per kernel is not checked for a step's kernels
+# it. Their step's kernels, a per-tensor loop with two host syncs a tensor in FP16_Optimizer, stay
+# at the profile's per-op floor (pytorch/pytorch#41383, 2020's torch: a lower bound for 2019's
+# loop and its syncs): the layer's cost per kernel is not checked for a step's kernels
 # (validation_host_constants.md), and the development set does not decide it (megatron_ds2023
 # keeps its step at its host cost, as it was derived; at the floor its median error is lower,
 # its 90th percentile and TP 8's median ratio worse). Their per-collective cost is dropped, not carried over: the
@@ -253,8 +259,11 @@ PAPER_STACKS_HOST_S_PER_KERNEL = MEGATRON_DS2023_HOST_S_PER_KERNEL
 # THCRandom_getRNGState / _setRNGState), until pytorch/pytorch#21301 (the resubmission of #20886,
 # June 2019, in torch 1.2) stopped copying them. Megatron's checkpoint gets the state in every
 # checkpointed layer's forward and backward and sets it twice in the backward (mpu/random.py:198,
-# 215, 220, 230), and its tracker gets and sets it twice around each layer's attention dropout
-# (mpu/transformer.py:140, random.py:125-135): RNG_STATE_COPIES a layer. DeepSpeed @ 97787881
+# 215, 220, 230), and its tracker gets and sets it twice around every layer's attention dropout
+# (mpu/transformer.py:140, random.py:125-135): RNG_STATE_COPIES a layer. Its timers sync around
+# the forward and the backward (pretrain_gpt2.py:327-334, utils.py:111, 118). The copies are
+# priced at the profile's PCIe rate, a pinned copy's: these are pageable and each a blocking call,
+# so that is a lower bound (the sensitivity table moves the rate). DeepSpeed @ 97787881
 # pins torch 1.2.0 (Dockerfile), where those calls copy nothing, and its checkpoint_boundary
 # synchronize defaults to False; its Megatron (DeepSpeedExamples @ fd6fb514, Megatron-LM/
 # pretrain_gpt2.py:366-375) times the forward and the backward with timers that call

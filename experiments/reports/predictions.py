@@ -556,6 +556,7 @@ def targets_table() -> pd.DataFrame:
 # host cost per kernel.
 UNCERTAIN = {"gemm_ceiling": "GEMM ceiling", "hbm_fraction": "HBM fraction", "kernel_floor_us": "kernel floor",
              "nvlink_link_gb_per_s": "NVLink width", "inter_node_gbps": "InfiniBand", "nccl_latency": "NCCL latencies",
+             "pcie_gb_per_s": "PCIe",
              "scalar_half_load_fraction": f"torch <= 1.4 fp16 rate ({TORCH_1_4_SCALAR_HALF_LOADS:g})",
              "host_s_per_kernel": f"paper stacks' host cost per kernel ({PAPER_STACKS_HOST_S_PER_KERNEL * 1e6:g} us)"}
 

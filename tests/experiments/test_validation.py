@@ -30,47 +30,51 @@ class Launch:
 
     count, all_reduce_bytes = 1, 0.0
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, name: str = "") -> None:
+        self.seconds, self.name = seconds, name
 
     def times(self, hw, fraction=1.0) -> tuple[float, float]:
         return self.seconds, 0.0
 
 
 def test_each_sync_structure_worked_by_hand(monkeypatch):
-    # a layer of one 1 ms forward kernel and one 5 ms backward kernel, a head of 2 ms forward and
-    # 0.5 ms backward, every kernel issued at 2 ms of host time; two layers, recomputed
-    monkeypatch.setitem(st.LAYERS, "by_hand", (lambda s: [Launch(1e-3)], lambda s: [Launch(5e-3)],
-                                               lambda s: [Launch(2e-3)], lambda s: [Launch(0.5e-3)]))
+    # a layer's forward of three 1 ms kernels, the attention dropout in the middle, its backward
+    # one 5 ms kernel, a head of 2 ms forward and 0.5 ms backward; every kernel issued at 2 ms of
+    # host time; two layers (a window's kernel issued at t runs from max(t, the previous one's end))
+    monkeypatch.setitem(st.LAYERS, "by_hand", (
+        lambda s: [Launch(1e-3), Launch(1e-3, kn.ATTENTION_DROPOUT), Launch(1e-3)], lambda s: [Launch(5e-3)],
+        lambda s: [Launch(2e-3)], lambda s: [Launch(0.5e-3)]))
     x = st.StepInputs(layers=2, hidden=1024, heads=16, seq_len=1024, vocab=50304, micro_batch=1, tp=1, dp=1,
                       stage=0, psi=1e8)
     hw = profile("dgx2_v100")
-    by = {syncs: st.host_windows(x, hw, replace(systems.SYSTEMS["megatron2019"], layer="by_hand", host_s_per_kernel=2e-3,
-                                                host_syncs=syncs)) for syncs in systems.HOST_SYNCS}
-    # forward_backward: [L1 fwd, L2 fwd, head fwd] issued at 2, 4, 6 ms, run 2-3, 4-5, 6-8: 8 ms;
-    # [head bwd, (recompute, bwd) x 2] issued at 2, 4, 6, 8, 10, run 2-2.5, 4-5, 6-11, 11-12, 12-17:
-    # 17 ms (issued in another order, head last: 15.5)
-    assert by["forward_backward"]["wall_s"] == pytest.approx(25e-3)
-    # layer: 2 forward windows of 3 ms, 2 of recompute and backward (2-3, 4-9) of 9, the head's 4 and 2.5
-    assert by["layer"]["wall_s"] == pytest.approx(2 * 3e-3 + 2 * 9e-3 + 4e-3 + 2.5e-3)
-    # rng_state: the recomputed forward (3 ms) and the backward (2-7: 7 ms) apart, and 12 copies of
-    # the 824,000 B RNG state a layer at PCIe's 12 GB/s
+
+    def run(syncs: str, inputs=x, system="megatron2019") -> dict:
+        sys = replace(systems.SYSTEMS[system], layer="by_hand", host_s_per_kernel=2e-3, host_syncs=syncs)
+        return st.host_windows(inputs, hw, sys)
+    by = {syncs: run(syncs) for syncs in systems.HOST_SYNCS}
+    # forward_backward: the forward, issued at 2, 4, ... 14 ms, ends with the head at 16 ms; the
+    # backward, head first (2-2.5), then each layer's recompute and backward (4-5, 6-7, 8-9,
+    # 10-15; 15-16, 16-17, 17-18, 18-23): 23 ms (issued head last it would end at 21.5)
+    assert by["forward_backward"]["wall_s"] == pytest.approx(16e-3 + 23e-3)
+    # layer: a layer's forward 7 ms (2-3, 4-5, 6-7), recompute and backward 13 (then 8-13), the head's 4 and 2.5
+    assert by["layer"]["wall_s"] == pytest.approx(2 * 7e-3 + 2 * 13e-3 + 4e-3 + 2.5e-3)
+    # rng_state: the forward cut at the dropout, three windows of 3 ms, the recomputed forward the
+    # same, the backward alone (2-7), and 12 copies of the 824,000 B RNG state a layer at 12 GB/s
     copies = 2 * 12 * 200 * 4120 / 12e9
     assert by["rng_state"]["rng_copies_s"] == pytest.approx(copies)
-    assert by["rng_state"]["wall_s"] == pytest.approx(2 * 3e-3 + 2 * 3e-3 + 2 * 7e-3 + 4e-3 + 2.5e-3 + copies)
-    assert {k: v["host_s"] for k, v in by.items()} == pytest.approx({k: 8 * 2e-3 for k in by})  # 8 launches
-    assert {k: v["device_s"] for k, v in by.items()} == pytest.approx({k: 2 * 1e-3 + 2 * 6e-3 + 2.5e-3 for k in by})
-    # without recomputation the backward has no sync, and the dropout's four copies remain
-    plain = replace(x, recompute=False)
-    rng = st.host_windows(plain, hw, replace(systems.SYSTEMS["megatron2019"], layer="by_hand", host_s_per_kernel=2e-3))
-    assert rng["rng_copies_s"] == pytest.approx(2 * 4 * 200 * 4120 / 12e9)
-    assert rng["wall_s"] - rng["rng_copies_s"] == pytest.approx(2 * 3e-3 + 12e-3 + 4e-3 + 2.5e-3)  # bwd: 2-7, 7-12
+    assert by["rng_state"]["wall_s"] == pytest.approx(2 * 9e-3 + 2 * 9e-3 + 2 * 7e-3 + 4e-3 + 2.5e-3 + copies)
+    assert {k: v["host_s"] for k, v in by.items()} == pytest.approx({k: 16 * 2e-3 for k in by})  # 16 launches
+    assert {k: v["device_s"] for k, v in by.items()} == pytest.approx({k: 2 * 3e-3 + 2 * 8e-3 + 2.5e-3 for k in by})
+    # without recomputation the backward has no sync (2-7, 7-12), and the dropout's four copies remain
+    plain = {syncs: run(syncs, replace(x, recompute=False)) for syncs in systems.HOST_SYNCS}
+    assert plain["rng_state"]["rng_copies_s"] == pytest.approx(2 * 4 * 200 * 4120 / 12e9)
+    assert plain["rng_state"]["wall_s"] - plain["rng_state"]["rng_copies_s"] == pytest.approx(2 * 9e-3 + 12e-3 + 6.5e-3)
+    assert plain["layer"]["wall_s"] == pytest.approx(2 * 7e-3 + 12e-3 + 6.5e-3)
+    assert plain["forward_backward"]["wall_s"] == pytest.approx(16e-3 + 14e-3)  # 2-2.5, 4-9, 9-14
     # with Pa+cpu DeepSpeed copies every layer's checkpoint to the host: a window per layer
-    pa_cpu = replace(x, pa_cpu=True)
-    ds = replace(systems.SYSTEMS["deepspeed2020"], layer="by_hand", host_s_per_kernel=2e-3)
-    assert st.host_windows(pa_cpu, hw, ds)["wall_s"] == pytest.approx(by["layer"]["wall_s"])
-    with pytest.raises(ValueError, match="host_syncs must be one of"):
-        st.host_windows(x, hw, replace(ds, host_syncs=None))
+    assert run("forward_backward", replace(x, pa_cpu=True), "deepspeed2020")["wall_s"] == pytest.approx(by["layer"]["wall_s"])
+    with pytest.raises(ValueError, match="host_syncs"):
+        replace(systems.SYSTEMS["deepspeed2020"], host_syncs=None)
 
 
 def test_the_papers_stacks_host_model():
