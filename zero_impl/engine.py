@@ -357,7 +357,7 @@ class ZeroEngine(nn.Module):
         """CB (paper Section 6.2): bytes of each fused buffer the engine uses beyond the model
         states, at its largest so far: stage 2-3 gradient staging (live staging buckets and
         reduce-scatter outputs), the post-step parameter all-gathers in flight at once (stages
-        1-2, in place in the parameter buffer), the norm's all-reduce, the masters one optimizer
+        1-2, in place in the parameter buffer), the norm's sums, the masters one optimizer
         update covers (its temporaries scale with them), and ZeRO-R's (activations.py)."""
         self._check_open()
         out = {"grad_staging": self.grads.peak_buffer_bytes, "norm": self.sharded_optimizer.norm_bytes(),

@@ -150,8 +150,12 @@ class ShardedOptimizer:
             sums = torch.stack([counted, total])
         else:
             sums = total.reshape(1)
-        if not self.grads_replicated:  # stage 0: every DP rank holds the same all-reduced gradient,
-            self.dp.all_reduce(sums, purpose="norm")  # bitwise, so its own sums are the global ones
+        # Stage 0: every DP rank holds the same all-reduced gradient, bit for bit (NCCL and gloo
+        # reduce each element once, then copy it to every rank), and computes the same sums from
+        # it, as DDP with clip_grad_norm_ relies on: the same kernels on the same GPU model give
+        # the same bits. Mixed GPU models in one DP group would need this all-reduce back.
+        if not self.grads_replicated:
+            self.dp.all_reduce(sums, purpose="norm")
         self.mp.all_reduce(sums, purpose="norm")
         return sums
 
@@ -359,7 +363,7 @@ class ShardedOptimizer:
         return flat
 
     def norm_bytes(self) -> int:
-        """The norm's all-reduce: one sum, two under tensor parallelism (global_grad_sums)."""
+        """The norm's sums (global_grad_sums): one, two under tensor parallelism."""
         return (2 if self.mp.size > 1 else 1) * self._norm_dtype().itemsize
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
