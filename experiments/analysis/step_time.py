@@ -55,8 +55,8 @@ from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
 from experiments.analysis.kernels import ATTENTION_DROPOUT, LAYERS, ComputeTime, LayerShape, compute_time, step_kernels
 from experiments.analysis.nccl import Nccl, concurrent_groups
-from experiments.analysis.systems import (HOST_SYNCS, RNG_STATE_BYTES, RNG_STATE_COPIES, SYSTEMS, DpPlan, System,
-                                          dp_plan, optimizer_bytes_per_param, parameter_tensors, record_plan)
+from experiments.analysis.systems import (RNG_STATE_BYTES, RNG_STATE_COPIES, SYSTEMS, DpPlan, System, dp_plan,
+                                          optimizer_bytes_per_param, parameter_tensors, record_plan)
 
 TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "pa", "offload",
          "optimizer")
@@ -227,11 +227,9 @@ def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float
     fwd, bwd = launches(layer_fwd), launches(backward(shape))
     head_f, head_b = launches(head_fwd(shape)), launches(head_bwd(shape))
     syncs = "layer" if x.pa_cpu and system.host_syncs == "forward_backward" else system.host_syncs
-    if syncs not in HOST_SYNCS:
-        raise ValueError(f"system {system.name}: host_syncs must be one of {list(HOST_SYNCS)}, got {syncs!r}")
-    layers_backward = (fwd + bwd) * x.layers if x.recompute else bwd * x.layers
     copies_s = 0.0
     if syncs == "forward_backward":   # the training loop's timers: the forward, then the backward
+        layers_backward = (fwd + bwd) * x.layers if x.recompute else bwd * x.layers
         windows = [(window_s(fwd * x.layers + head_f), 1), (window_s(head_b + layers_backward), 1)]
     else:
         if syncs == "layer":   # the layer's syncs close a window per layer's forward
@@ -246,7 +244,7 @@ def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float
         # between them, has its own ("rng_state"); without, the backward has no sync: one window
         windows = list(forward_windows)
         if not x.recompute:
-            windows += [(window_s(layers_backward), 1)]
+            windows += [(window_s(bwd * x.layers), 1)]
         elif syncs == "layer":
             windows += [(window_s(fwd + bwd), x.layers)]
         else:

@@ -79,17 +79,17 @@ class System:
     # with a host model: its step's kernels (optimizer, gradient copies) at its host cost per
     # kernel too; else at the profile's kernel floor, a plain loop's per-op cost
     step_kernels_at_host_cost: bool = False
-
-    def __post_init__(self) -> None:
-        if self.host_s_per_kernel is not None and self.host_syncs not in HOST_SYNCS:
-            raise ValueError(f"system {self.name}: a host model needs host_syncs, one of {list(HOST_SYNCS)}, "
-                             f"got {self.host_syncs!r}")
     # the post-step parameter all-gathers (stages 1-2) are waited on by the next forward's modules
     # when overlap (megatron-core's overlap_param_gather): they hide behind that forward
     param_gather_overlap: bool = False
     # stage 3 keeps the root unit (what is not a layer: embeddings, final layernorm) gathered from
     # the end of forward to its backward: one gather of it a micro-batch, not two (FSDP2's root)
     stage3_keeps_root: bool = False
+
+    def __post_init__(self) -> None:
+        if self.host_s_per_kernel is not None and self.host_syncs not in HOST_SYNCS:
+            raise ValueError(f"system {self.name}: a host model needs host_syncs, one of {list(HOST_SYNCS)}, "
+                             f"got {self.host_syncs!r}")
 
 
 def parameter_tensors(layers: int) -> int:
@@ -247,9 +247,9 @@ HOST_SYNCS = ("layer", "rng_state", "forward_backward")
 # loop and its syncs): the layer's cost per kernel is not checked for a step's kernels
 # (validation_host_constants.md), and the development set does not decide it (megatron_ds2023
 # keeps its step at its host cost, as it was derived; at the floor its median error is lower,
-# its 90th percentile and TP 8's median ratio worse). Their per-collective cost is dropped, not carried over: the
-# development set's residual holds what NCCL 2.14.3's tuner misses on the A100 node, and these
-# stacks are priced with NCCL 2.7.8's.
+# its 90th percentile and TP 8's median ratio worse). Their per-collective cost is dropped, not
+# carried over: the development set's residual holds what NCCL 2.14.3's tuner misses on the A100
+# node, and these stacks are priced with NCCL 2.7.8's.
 PAPER_STACKS_HOST_S_PER_KERNEL = MEGATRON_DS2023_HOST_S_PER_KERNEL
 # Where the paper's stacks sync. Megatron-LM @ a1d04b79 builds on nvcr.io/nvidia/pytorch:19.05-py3
 # (docker/Dockerfile), a May 2019 torch, and its authors asked for torch 1.1 (NVIDIA/Megatron-LM#7,
