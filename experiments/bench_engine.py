@@ -61,6 +61,9 @@ def _engine_step(engine) -> Callable:
     def step(tokens):
         engine.backward(lm_loss(engine(tokens), tokens))
         engine.step()
+    # ours leaves the last step's parameter gathers in flight (overlap_param_gather): complete
+    # them before the ranks leave, as a training script's next forward or close() would
+    step.finish = getattr(engine, "finish_param_gathers", lambda: None)
     return step
 
 
@@ -144,6 +147,7 @@ def _time_steps(name: str, warmup: int, steps: int) -> dict[str, list[float]]:
         if i >= warmup:
             times.append(time.perf_counter() - start)
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
+    getattr(step, "finish", lambda: None)()
     return {"times": times, "faults": faults}
 
 

@@ -46,7 +46,8 @@ def fused_adamw(params) -> torch.optim.Optimizer:
 def zero_phases(stage: int) -> Callable[[torch.nn.Module], Phases]:
     def build(model):
         config = zero_impl.ZeroConfig(stage=stage, reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET,
-                                      clip_grad_norm=CLIP, overlap_param_gather=True)
+                                      clip_grad_norm=CLIP, overlap_param_gather=True,
+                                      gloo_point_to_point=False)  # count the calls NCCL gets
         engine = zero_impl.initialize(model, config, optimizer=fused_adamw)
         return (lambda tokens: lm_loss(engine(tokens), tokens)), engine.backward, engine.step
     return build

@@ -8,6 +8,14 @@ Every collective here takes flat tensors (all_gather_into_tensor, reduce_scatter
 all_reduce), behind which NCCL allocates nothing. None takes a list: ProcessGroupNCCL would
 flatten a list of all-gather outputs (or reduce-scatter inputs) into a hidden buffer of the
 whole output (input), kept by the Work until it is waited on and dropped.
+
+gloo is another matter (ProcessGroupGloo.cpp, torch 2.13): its reduce_scatter_tensor clones
+the whole input, all-reduces the clone and copies this rank's slice out, so it moves an
+all-reduce's bytes, twice a reduce-scatter's; its all_gather_into_tensor gathers into a flat
+temporary of the whole output and copies it out. On gloo with CPU tensors the two therefore run
+as point-to-point exchanges (`point_to_point`), which move exactly a reduce-scatter's and an
+all-gather's bytes: each rank receives every peer's copy of its own slice and sums them, or
+receives every peer's shard straight into its place in the output. Counted the same.
 """
 from __future__ import annotations
 
@@ -78,10 +86,12 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, tag: str, solo: bool = False,
-                 check_order: bool = False, force: bool = False) -> None:
+                 check_order: bool = False, force: bool = False, point_to_point: bool = True) -> None:
         """`group` None is the default group; `solo` makes a world of one whatever the group;
         `check_order` compares every collective across ranks before issuing it; `force` issues
-        every collective on the group even when it has one rank (never with `solo`)."""
+        every collective on the group even when it has one rank (never with `solo`);
+        `point_to_point` (ZeroConfig.gloo_point_to_point) runs a gloo group's reduce-scatters and
+        all-gathers of CPU tensors as exchanges between every pair of ranks (the module's docstring)."""
         self.group = group
         self.ledger = ledger
         self.tag = tag
@@ -94,6 +104,7 @@ class Communicator:
         self.size = dist.get_world_size(group) if active else 1
         self.rank = dist.get_rank(group) if active else 0
         self.local = self.size == 1 and not (force and active)  # no collective: a copy stands for it
+        self.point_to_point = point_to_point and self.size > 1 and dist.get_backend(group) == "gloo"
 
     def _record(self, kind: str, purpose: str, elements: int, tensor: torch.Tensor) -> None:
         """Count a collective about to be issued; with check_order, first make sure every rank
@@ -123,6 +134,8 @@ class Communicator:
                 output.copy_(input)
             return None
         self._record("reduce_scatter", purpose, input.numel(), input)
+        if self.point_to_point and input.device.type == "cpu":
+            return self._finish_unless_async(_ExchangeWork.reduce_scatter(output, input, self), async_op)
         return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
@@ -132,4 +145,69 @@ class Communicator:
                 output.copy_(input)
             return None
         self._record("all_gather", purpose, output.numel(), output)
+        if self.point_to_point and input.device.type == "cpu":
+            return self._finish_unless_async(_ExchangeWork.all_gather(output, input, self), async_op)
         return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+
+    @staticmethod
+    def _finish_unless_async(work: _ExchangeWork, async_op: bool) -> _ExchangeWork | None:
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+EXCHANGE_TAG = 0x5A45  # gloo's slot for the exchanges, apart from any other point-to-point traffic of a group
+
+
+class _ExchangeWork:
+    """A reduce-scatter or all-gather run as point-to-point sends and receives (gloo, CPU).
+
+    Every rank posts all its receives before any send: a rank's exchange completes only once
+    each peer has sent to it, and so has posted all its own receives; no rank can finish and
+    leave while a peer has yet to post one (gloo fails a receive posted to a closed peer).
+    Sends and receives of one pair of ranks match in the order they were posted, the same on
+    every rank, as the collectives they stand for are issued in the same order everywhere.
+    The summing of a reduce-scatter happens in wait(), where the collective's would have ended."""
+
+    def __init__(self, ops: list[dist.P2POp], finish=None) -> None:
+        self.works = dist.batch_isend_irecv(ops)
+        self.finish = finish
+
+    @classmethod
+    def reduce_scatter(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
+        """Each peer's copy of this rank's slice lands in `received`; the sum goes to `output`
+        (which may be this rank's slice of `input` itself, stage 1's in-place reduction)."""
+        slices = input.chunk(comm.size)
+        peers = [p for p in range(comm.size) if p != comm.rank]
+        received = torch.empty((len(peers), output.numel()), dtype=input.dtype, device=input.device)
+        ops = [dist.P2POp(dist.irecv, received[k], group=comm.group, tag=EXCHANGE_TAG, group_peer=p)
+               for k, p in enumerate(peers)]
+        ops += [dist.P2POp(dist.isend, slices[p], group=comm.group, tag=EXCHANGE_TAG, group_peer=p) for p in peers]
+
+        def finish() -> None:  # in rank order of the peers, the same order on every rank
+            torch.add(slices[comm.rank], received[0], out=output)
+            for more in received[1:]:
+                output.add_(more)
+        return cls(ops, finish)
+
+    @classmethod
+    def all_gather(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
+        """Each peer's shard lands in its place in `output`; this rank's is copied there unless
+        `input` is that place already (the post-step gathers, in place)."""
+        places = output.chunk(comm.size)
+        if places[comm.rank].data_ptr() != input.data_ptr():
+            places[comm.rank].copy_(input)
+        peers = [p for p in range(comm.size) if p != comm.rank]
+        ops = [dist.P2POp(dist.irecv, places[p], group=comm.group, tag=EXCHANGE_TAG, group_peer=p) for p in peers]
+        ops += [dist.P2POp(dist.isend, input, group=comm.group, tag=EXCHANGE_TAG, group_peer=p) for p in peers]
+        return cls(ops)
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.finish is not None:
+            self.finish, finish = None, self.finish
+            finish()
+        return True

@@ -70,6 +70,11 @@ class ZeroConfig:
         (comm.Communicator), instead of the local copy that stands for it there, so one GPU runs
         NCCL's streams, events and waits exactly as a real world does (make gpu-check); the
         calls are counted in the traffic. Needs torch.distributed initialized.
+    gloo_point_to_point: on gloo with CPU tensors, run reduce-scatters and all-gathers as
+        point-to-point exchanges between every pair of ranks (comm.py): gloo's own
+        reduce_scatter_tensor all-reduces a clone of its input, twice the bytes, and its
+        all_gather_into_tensor copies through a temporary. The traffic is counted the same.
+        False: gloo's own calls, the ones NCCL gets (make proxies counts those). No effect on NCCL.
 
     ZeRO-R (paper Section 6; DeepSpeed's activation_checkpointing names; activations.py). They act on
     the checkpoints of activation recomputation (a reentrant checkpoint per layer, as megatron-core's):
@@ -109,6 +114,7 @@ class ZeroConfig:
     stage3_keep_root: bool = True
     check_collective_order: bool = False
     force_collectives: bool = False
+    gloo_point_to_point: bool = True
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -141,7 +147,7 @@ class ZeroConfig:
         if not self.min_loss_scale > 0:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}")
         for key in ("overlap_comm", "overlap_param_gather", "stage3_keep_root", "consecutive_hysteresis",
-                    "check_collective_order", "force_collectives",
+                    "check_collective_order", "force_collectives", "gloo_point_to_point",
                     "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"ZeroConfig.{key} must be true or false, got {getattr(self, key)!r}")

@@ -45,9 +45,10 @@ class ZeroEngine(nn.Module):
         self.module, self.config = module, config
         self.ledger = CommLedger()
         self.dp = Communicator(dp_group, self.ledger, "dp", check_order=config.check_collective_order,
-                               force=config.force_collectives)
+                               force=config.force_collectives, point_to_point=config.gloo_point_to_point)
         self.mp = Communicator(mp_group, self.ledger, "mp", solo=mp_group is None,
-                               check_order=config.check_collective_order, force=config.force_collectives)
+                               check_order=config.check_collective_order, force=config.force_collectives,
+                               point_to_point=config.gloo_point_to_point)
         if config.partition_activations and mp_group is None:
             raise ValueError("ZeroConfig.partition_activations (Pa) partitions each activation checkpoint over the "
                              "model-parallel group: pass mp_group (the tensor-parallel group)")
