@@ -15,7 +15,11 @@ all-reduce's bytes, twice a reduce-scatter's; its all_gather_into_tensor gathers
 temporary of the whole output and copies it out. On gloo with CPU tensors the two therefore run
 as point-to-point exchanges (`point_to_point`), which move exactly a reduce-scatter's and an
 all-gather's bytes: each rank receives every peer's copy of its own slice and sums them, or
-receives every peer's shard straight into its place in the output. Counted the same.
+receives every peer's shard straight into its place in the output. Counted the same. A
+reduce-scatter's exchange receives into a buffer of its own, (N-1)/N of its input, alive until
+it is waited on (gloo's own call clones the whole input). Like any collective issued but not
+yet waited on, an exchange must be waited on before its rank leaves: unlike gloo's collectives,
+which a leaving rank's process group drains first, a peer's receive would fail.
 """
 from __future__ import annotations
 
@@ -104,7 +108,7 @@ class Communicator:
         self.size = dist.get_world_size(group) if active else 1
         self.rank = dist.get_rank(group) if active else 0
         self.local = self.size == 1 and not (force and active)  # no collective: a copy stands for it
-        self.point_to_point = point_to_point and self.size > 1 and dist.get_backend(group) == "gloo"
+        self.point_to_point = point_to_point and self.size > 1 and _gloo_runs_cpu_tensors(group)
 
     def _record(self, kind: str, purpose: str, elements: int, tensor: torch.Tensor) -> None:
         """Count a collective about to be issued; with check_order, first make sure every rank
@@ -157,6 +161,12 @@ class Communicator:
         return None
 
 
+def _gloo_runs_cpu_tensors(group: dist.ProcessGroup | None) -> bool:
+    """The group's backend for CPU tensors is gloo ("gloo", or "cpu:gloo,cuda:nccl" and the like)."""
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+
+
 EXCHANGE_TAG = 0x5A45  # gloo's slot for the exchanges, apart from any other point-to-point traffic of a group
 
 
@@ -168,16 +178,37 @@ class _ExchangeWork:
     leave while a peer has yet to post one (gloo fails a receive posted to a closed peer).
     Sends and receives of one pair of ranks match in the order they were posted, the same on
     every rank, as the collectives they stand for are issued in the same order everywhere.
-    The summing of a reduce-scatter happens in wait(), where the collective's would have ended."""
+    The summing of a reduce-scatter happens in wait(), where the collective's would have ended.
+
+    gloo's point-to-point works alone hold the buffers gloo reads and writes (its pairs only
+    point at them), and a work reports completion only once waited on. So every exchange stays
+    in `unfinished` until its wait: one dropped unwaited (an engine deleted without close(), a
+    wait that raised) keeps its buffers for the life of the process, and gloo never writes
+    into freed memory."""
+
+    unfinished: set[_ExchangeWork] = set()
 
     def __init__(self, ops: list[dist.P2POp], finish=None) -> None:
         self.works = dist.batch_isend_irecv(ops)
         self.finish = finish
+        _ExchangeWork.unfinished.add(self)
+
+    @staticmethod
+    def _check(output: torch.Tensor, input: torch.Tensor, comm: Communicator, what: str) -> None:
+        """What gloo's own calls check, with their meaning: flat, contiguous, of one dtype, the
+        whole (input of a reduce-scatter, output of an all-gather) N times the part."""
+        whole, part = (input, output) if what == "reduce_scatter" else (output, input)
+        if not (whole.dtype == part.dtype and whole.is_contiguous() and part.is_contiguous()
+                and whole.dim() == part.dim() == 1 and whole.numel() == comm.size * part.numel()):
+            raise ValueError(f"{what} on the {comm.tag} group takes flat contiguous tensors of one dtype, the "
+                             f"whole {comm.size} times the part: got {tuple(whole.shape)} {whole.dtype} and "
+                             f"{tuple(part.shape)} {part.dtype}")
 
     @classmethod
     def reduce_scatter(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
         """Each peer's copy of this rank's slice lands in `received`; the sum goes to `output`
         (which may be this rank's slice of `input` itself, stage 1's in-place reduction)."""
+        cls._check(output, input, comm, "reduce_scatter")
         slices = input.chunk(comm.size)
         peers = [p for p in range(comm.size) if p != comm.rank]
         received = torch.empty((len(peers), output.numel()), dtype=input.dtype, device=input.device)
@@ -185,7 +216,7 @@ class _ExchangeWork:
                for k, p in enumerate(peers)]
         ops += [dist.P2POp(dist.isend, slices[p], group=comm.group, tag=EXCHANGE_TAG, group_peer=p) for p in peers]
 
-        def finish() -> None:  # in rank order of the peers, the same order on every rank
+        def finish() -> None:  # this rank's own slice, then its peers' in rank order: deterministic
             torch.add(slices[comm.rank], received[0], out=output)
             for more in received[1:]:
                 output.add_(more)
@@ -195,6 +226,7 @@ class _ExchangeWork:
     def all_gather(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
         """Each peer's shard lands in its place in `output`; this rank's is copied there unless
         `input` is that place already (the post-step gathers, in place)."""
+        cls._check(output, input, comm, "all_gather")
         places = output.chunk(comm.size)
         if places[comm.rank].data_ptr() != input.data_ptr():
             places[comm.rank].copy_(input)
@@ -206,6 +238,7 @@ class _ExchangeWork:
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
+        _ExchangeWork.unfinished.discard(self)
         self.works = []
         if self.finish is not None:
             self.finish, finish = None, self.finish

@@ -1,6 +1,7 @@
 """gloo's loopback collectives on this machine: latency and bandwidth per kind and world size,
 measured on ranks started the way the sweep starts them (experiments.launch.spawn: forked, one
-thread each, gloo), through the calls the engine makes (zero_impl/comm.py).
+thread each, gloo), through the engine's own communicator (zero_impl/comm.py), so a
+reduce-scatter and an all-gather are the point-to-point exchanges the engine runs on gloo.
 
 Sizes follow the suite's counting convention (experiments/analysis/hardware.py): all_reduce,
 reduce and broadcast the tensor, reduce_scatter its full input, all_gather its full output.
@@ -22,20 +23,27 @@ import torch
 import torch.distributed as dist
 
 from experiments.launch import spawn
+from zero_impl.comm import CommLedger, Communicator
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast")
+OVERLAP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # the kinds the engine issues (async)
 SIZES = tuple(2 ** p for p in (3, 7, 11, 15, 19, 21, 23, 24))  # bytes: 8 B (latency) to 16 MiB (bandwidth)
 LATENCY_UP_TO = 2 ** 11  # sizes at or below this one measure the latency (2 KiB at 1 GB/s: 2 us of bytes)
 BANDWIDTH_FROM = 2 ** 19  # sizes at or above this one measure the bandwidth
 
 
-def _call(kind: str, full: torch.Tensor, part: torch.Tensor) -> None:
+def _issue(comm: Communicator, kind: str, full: torch.Tensor, part: torch.Tensor, async_op: bool = False):
+    """One collective of a kind the engine issues, as it issues it."""
     if kind == "all_reduce":
-        dist.all_reduce(full)
-    elif kind == "reduce_scatter":
-        dist.reduce_scatter_single(part, full)
-    elif kind == "all_gather":
-        dist.all_gather_single(full, part)
+        return comm.all_reduce(full, "calibration", async_op=async_op)
+    if kind == "reduce_scatter":
+        return comm.reduce_scatter(part, full, "calibration", async_op=async_op)
+    return comm.all_gather(full, part, "calibration", async_op=async_op)
+
+
+def _call(comm: Communicator, kind: str, full: torch.Tensor, part: torch.Tensor) -> None:
+    if kind in OVERLAP_KINDS:
+        _issue(comm, kind, full, part)
     elif kind == "reduce":
         dist.reduce(full, dst=0)
     else:
@@ -45,18 +53,19 @@ def _call(kind: str, full: torch.Tensor, part: torch.Tensor) -> None:
 def _rank_times(kinds: tuple[str, ...], sizes: tuple[int, ...], repeats: int) -> dict:
     """On every rank: {kind: {nbytes: [seconds per repeat]}}."""
     world, out = dist.get_world_size(), {}
+    comm = Communicator(None, CommLedger(), "calibration")
     for kind in kinds:
         out[kind] = {}
         for nbytes in sizes:
             full = torch.ones(max(world, nbytes // 4))
             part = torch.empty(full.numel() // world)
             full = full[: part.numel() * world]
-            _call(kind, full, part)  # warm: gloo's pairs connect and buffers register on first use
+            _call(comm, kind, full, part)  # warm: gloo's pairs connect and buffers register on first use
             samples = []
             for _ in range(repeats):
                 dist.barrier()
                 began = time.perf_counter()
-                _call(kind, full, part)
+                _call(comm, kind, full, part)
                 samples.append(time.perf_counter() - began)
             out[kind][full.numel() * 4] = samples
     return out
@@ -76,7 +85,6 @@ def fit(times: dict[int, float]) -> dict[str, float]:
 OVERLAP_BYTES = 2 ** 23
 OVERLAP_GEMM = 256       # the compute: OVERLAP_GEMM_CALLS square fp32 GEMMs of this size (~15 ms here, longer
 OVERLAP_GEMM_CALLS = 40  # than any of the collectives at OVERLAP_BYTES: the whole collective could hide under it)
-OVERLAP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # the kinds the engine issues async
 
 
 def hidden_fraction(compute_s: float, collective_s: float, together_s: float) -> float:
@@ -89,6 +97,7 @@ def hidden_fraction(compute_s: float, collective_s: float, together_s: float) ->
 def _rank_overlap(kinds: tuple[str, ...], nbytes: int, repeats: int) -> dict:
     """On every rank: {kind: {"compute", "collective", "together": [seconds per repeat]}}."""
     world, out = dist.get_world_size(), {}
+    comm = Communicator(None, CommLedger(), "calibration")
     a, b, c = (torch.randn(OVERLAP_GEMM, OVERLAP_GEMM) for _ in range(3))
 
     def compute() -> None:
@@ -105,11 +114,7 @@ def _rank_overlap(kinds: tuple[str, ...], nbytes: int, repeats: int) -> dict:
         full = torch.ones(part.numel() * world)
 
         def issue(async_op: bool):
-            if kind == "all_reduce":
-                return dist.all_reduce(full, async_op=async_op)
-            if kind == "reduce_scatter":
-                return dist.reduce_scatter_single(part, full, async_op=async_op)
-            return dist.all_gather_single(full, part, async_op=async_op)
+            return _issue(comm, kind, full, part, async_op)
 
         def together() -> None:
             work = issue(True)

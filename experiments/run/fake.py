@@ -144,7 +144,8 @@ def train_measured(point_dict: dict, precision: str, *, steps: int = SIM_STEPS, 
         phase("build")
         model, init_fn = build_model(point, device, zero_impl.DTYPES[precision])
         phase("initialize")
-        engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group,
+        # a real rank makes the calls a simulated one does, NCCL's: no point-to-point exchanges on gloo
+        engine = wrap_in_engine(point, precision, model, init_fn, dp_group, tp_group, gloo_point_to_point=False,
                                 **({} if foreach is None else {"foreach": foreach}))
         label_engine(tracker, engine)
         dp_rank = dist.get_rank(dp_group)

@@ -125,6 +125,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
             on_step(step + 1, saved)
         if stop:
             raise Preempted(step + 1, saved)
+    engine.finish_param_gathers()  # the last step's, in flight (overlap_param_gather): no rank leaves before them
     stats = engine.stats()
     memory = stats["memory"]
     memory["activations_saved"] = activation_bytes

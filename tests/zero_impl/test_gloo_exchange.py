@@ -83,6 +83,10 @@ def _exchanges() -> dict:
     out["ag_equal"] = torch.equal(full, expected_full) and torch.equal(apart, expected_apart)
 
     out["ledgers_equal"] = exchange.ledger.snapshot() == native.ledger.snapshot()
+    try:  # a whole that is not N parts is rejected before anything is sent, as gloo's own call does
+        exchange.reduce_scatter(torch.empty(SHARD), torch.empty(world * SHARD + 1), "grads")
+    except ValueError as e:
+        out["rejected"] = str(e)
     return out
 
 
@@ -95,3 +99,4 @@ def test_exchanges_equal_gloos_collectives(world):
         assert got["rs_sent"] == 2 * (world - 1) * SHARD  # two reduce-scatters: (N-1)/N of each input
         assert got["ag_sent"] == (world - 1) * SHARD       # the shard to every peer
         assert got["ledgers_equal"]
+        assert "reduce_scatter on the dp group takes flat contiguous tensors" in got["rejected"]
