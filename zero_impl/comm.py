@@ -17,9 +17,9 @@ as point-to-point exchanges (`point_to_point`), which move exactly a reduce-scat
 all-gather's bytes: each rank receives every peer's copy of its own slice and sums them, or
 receives every peer's shard straight into its place in the output. Counted the same. A
 reduce-scatter's exchange receives into a buffer of its own, (N-1)/N of its input, alive until
-it is waited on (gloo's own call clones the whole input). Like any collective issued but not
-yet waited on, an exchange must be waited on before its rank leaves: unlike gloo's collectives,
-which a leaving rank's process group drains first, a peer's receive would fail.
+it is waited on (gloo's own call clones the whole input). Unlike gloo's own collectives,
+which a process group being destroyed drains, an exchange must be waited on before its rank
+leaves: a peer's receive would fail.
 """
 from __future__ import annotations
 
@@ -137,8 +137,11 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
+        exchange = self.point_to_point and input.device.type == "cpu"
+        if exchange:
+            _ExchangeWork.check(output, input, self, "reduce_scatter")
         self._record("reduce_scatter", purpose, input.numel(), input)
-        if self.point_to_point and input.device.type == "cpu":
+        if exchange:
             return self._finish_unless_async(_ExchangeWork.reduce_scatter(output, input, self), async_op)
         return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
@@ -148,8 +151,11 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
+        exchange = self.point_to_point and input.device.type == "cpu"
+        if exchange:
+            _ExchangeWork.check(output, input, self, "all_gather")
         self._record("all_gather", purpose, output.numel(), output)
-        if self.point_to_point and input.device.type == "cpu":
+        if exchange:
             return self._finish_unless_async(_ExchangeWork.all_gather(output, input, self), async_op)
         return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
 
@@ -162,9 +168,9 @@ class Communicator:
 
 
 def _gloo_runs_cpu_tensors(group: dist.ProcessGroup | None) -> bool:
-    """The group's backend for CPU tensors is gloo ("gloo", or "cpu:gloo,cuda:nccl" and the like)."""
-    backend = str(dist.get_backend(group))
-    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+    """The group's backend for CPU tensors is gloo: "gloo" (configured "cpu:gloo,cuda:gloo"), no
+    backend named ("cpu:gloo" on a CPU build), or mixed ("cpu:gloo,cuda:nccl")."""
+    return "cpu:gloo" in dist.get_backend_config(group).split(",")
 
 
 EXCHANGE_TAG = 0x5A45  # gloo's slot for the exchanges, apart from any other point-to-point traffic of a group
@@ -189,14 +195,15 @@ class _ExchangeWork:
     unfinished: set[_ExchangeWork] = set()
 
     def __init__(self, ops: list[dist.P2POp], finish=None) -> None:
-        self.works = dist.batch_isend_irecv(ops)
-        self.finish = finish
+        self.ops, self.works, self.finish = ops, [], finish  # the ops hold the buffers, even if posting fails
         _ExchangeWork.unfinished.add(self)
+        self.works = dist.batch_isend_irecv(ops)
 
     @staticmethod
-    def _check(output: torch.Tensor, input: torch.Tensor, comm: Communicator, what: str) -> None:
-        """What gloo's own calls check, with their meaning: flat, contiguous, of one dtype, the
-        whole (input of a reduce-scatter, output of an all-gather) N times the part."""
+    def check(output: torch.Tensor, input: torch.Tensor, comm: Communicator, what: str) -> None:
+        """Before anything is counted or sent: the whole (a reduce-scatter's input, an
+        all-gather's output) N times the part, one dtype, as gloo's own calls check, and both
+        flat and contiguous, as every caller's are (stricter than gloo)."""
         whole, part = (input, output) if what == "reduce_scatter" else (output, input)
         if not (whole.dtype == part.dtype and whole.is_contiguous() and part.is_contiguous()
                 and whole.dim() == part.dim() == 1 and whole.numel() == comm.size * part.numel()):
@@ -208,7 +215,6 @@ class _ExchangeWork:
     def reduce_scatter(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
         """Each peer's copy of this rank's slice lands in `received`; the sum goes to `output`
         (which may be this rank's slice of `input` itself, stage 1's in-place reduction)."""
-        cls._check(output, input, comm, "reduce_scatter")
         slices = input.chunk(comm.size)
         peers = [p for p in range(comm.size) if p != comm.rank]
         received = torch.empty((len(peers), output.numel()), dtype=input.dtype, device=input.device)
@@ -226,7 +232,6 @@ class _ExchangeWork:
     def all_gather(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
         """Each peer's shard lands in its place in `output`; this rank's is copied there unless
         `input` is that place already (the post-step gathers, in place)."""
-        cls._check(output, input, comm, "all_gather")
         places = output.chunk(comm.size)
         if places[comm.rank].data_ptr() != input.data_ptr():
             places[comm.rank].copy_(input)
@@ -239,7 +244,7 @@ class _ExchangeWork:
         for work in self.works:
             work.wait()
         _ExchangeWork.unfinished.discard(self)
-        self.works = []
+        self.ops, self.works = [], []
         if self.finish is not None:
             self.finish, finish = None, self.finish
             finish()

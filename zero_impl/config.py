@@ -75,6 +75,8 @@ class ZeroConfig:
         reduce_scatter_tensor all-reduces a clone of its input, twice the bytes, and its
         all_gather_into_tensor copies through a temporary. The traffic is counted the same.
         False: gloo's own calls, the ones NCCL gets (make proxies counts those). No effect on NCCL.
+        With it, a rank must not exit with an exchange in flight: with overlap_param_gather, call
+        engine.finish_param_gathers() or close() first.
 
     ZeRO-R (paper Section 6; DeepSpeed's activation_checkpointing names; activations.py). They act on
     the checkpoints of activation recomputation (a reentrant checkpoint per layer, as megatron-core's):

@@ -105,9 +105,10 @@ class FlatParamBuffer:
         buckets, its later layers run while theirs arrive. At most allgather_bucket_size elements
         of gathers are in flight (a larger bucket alone), DeepSpeed's "elements all-gathered at a
         time": a wait lets the next buckets go out. The bound caps whatever a backend holds per
-        call (gloo's own all-gather flattens each output into a host temporary; NCCL and the
-        point-to-point exchanges on gloo, comm.py, hold nothing for these in-place gathers). On NCCL a wait makes the waiting stream wait on the gather's event,
-        with no host sync, and the gathers run one after another on NCCL's stream.
+        call (gloo's own all-gather flattens each output into a host temporary; NCCL and
+        the exchanges on gloo, comm.py, hold nothing for these in-place gathers). On NCCL a
+        wait makes the waiting stream wait on the gather's event, with no host sync, and the
+        gathers run one after another on NCCL's stream.
 
         Every rank must then enter the next forward, or anything else that needs the parameters
         (backward, step, full_parameters, state_dict, close, finish_gathers), as it issues the

@@ -32,6 +32,12 @@ LATENCY_UP_TO = 2 ** 11  # sizes at or below this one measure the latency (2 KiB
 BANDWIDTH_FROM = 2 ** 19  # sizes at or above this one measure the bandwidth
 
 
+def _communicator() -> Communicator:
+    if dist.get_world_size() < 2:  # a world of one issues no collective: nothing to time
+        raise ValueError("collectives are calibrated at world sizes of 2 and more")
+    return Communicator(None, CommLedger(), "calibration")
+
+
 def _issue(comm: Communicator, kind: str, full: torch.Tensor, part: torch.Tensor, async_op: bool = False):
     """One collective of a kind the engine issues, as it issues it."""
     if kind == "all_reduce":
@@ -53,7 +59,7 @@ def _call(comm: Communicator, kind: str, full: torch.Tensor, part: torch.Tensor)
 def _rank_times(kinds: tuple[str, ...], sizes: tuple[int, ...], repeats: int) -> dict:
     """On every rank: {kind: {nbytes: [seconds per repeat]}}."""
     world, out = dist.get_world_size(), {}
-    comm = Communicator(None, CommLedger(), "calibration")
+    comm = _communicator()
     for kind in kinds:
         out[kind] = {}
         for nbytes in sizes:
@@ -97,7 +103,7 @@ def hidden_fraction(compute_s: float, collective_s: float, together_s: float) ->
 def _rank_overlap(kinds: tuple[str, ...], nbytes: int, repeats: int) -> dict:
     """On every rank: {kind: {"compute", "collective", "together": [seconds per repeat]}}."""
     world, out = dist.get_world_size(), {}
-    comm = Communicator(None, CommLedger(), "calibration")
+    comm = _communicator()
     a, b, c = (torch.randn(OVERLAP_GEMM, OVERLAP_GEMM) for _ in range(3))
 
     def compute() -> None:

@@ -124,6 +124,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
         if on_step is not None and not clock.open:  # rank 0's pending record: host work, between windows
             on_step(step + 1, saved)
         if stop:
+            engine.finish_param_gathers()  # in flight (overlap_param_gather): no rank leaves before them
             raise Preempted(step + 1, saved)
     engine.finish_param_gathers()  # the last step's, in flight (overlap_param_gather): no rank leaves before them
     stats = engine.stats()

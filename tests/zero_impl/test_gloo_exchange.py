@@ -99,4 +99,4 @@ def test_exchanges_equal_gloos_collectives(world):
         assert got["rs_sent"] == 2 * (world - 1) * SHARD  # two reduce-scatters: (N-1)/N of each input
         assert got["ag_sent"] == (world - 1) * SHARD       # the shard to every peer
         assert got["ledgers_equal"]
-        assert "reduce_scatter on the dp group takes flat contiguous tensors" in got["rejected"]
+        assert "reduce_scatter on the dp group takes flat contiguous tensors" in got.get("rejected", "")
