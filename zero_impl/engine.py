@@ -198,7 +198,8 @@ class ZeroEngine(nn.Module):
         of the flat buffer; stage 3 all-gathers each unit once, so close() must then be called
         on every rank (gather=False skips the collectives and leaves stage 3's parameters empty).
         Deleting an engine without close() frees the same memory (its hooks hold it only
-        weakly and then do nothing), but stage 3's parameters are then left empty.
+        weakly and then do nothing), but stage 3's parameters are then left empty, and on gloo
+        the buffers of exchanges still in flight are kept for the life of the process (comm.py).
         """
         if self.closed:
             return
