@@ -137,9 +137,7 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
-        exchange = self.point_to_point and input.device.type == "cpu"
-        if exchange:
-            _ExchangeWork.check(output, input, self, "reduce_scatter")
+        exchange = self._exchanges(output, input, "reduce_scatter")
         self._record("reduce_scatter", purpose, input.numel(), input)
         if exchange:
             return self._finish_unless_async(_ExchangeWork.reduce_scatter(output, input, self), async_op)
@@ -151,13 +149,26 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
-        exchange = self.point_to_point and input.device.type == "cpu"
-        if exchange:
-            _ExchangeWork.check(output, input, self, "all_gather")
+        exchange = self._exchanges(output, input, "all_gather")
         self._record("all_gather", purpose, output.numel(), output)
         if exchange:
             return self._finish_unless_async(_ExchangeWork.all_gather(output, input, self), async_op)
         return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+
+    def _exchanges(self, output: torch.Tensor, input: torch.Tensor, what: str) -> bool:
+        """Whether this call runs as a point-to-point exchange; if so, its tensors are checked
+        before anything is counted or sent: the whole (a reduce-scatter's input, an all-gather's
+        output) N times the part, one dtype, as gloo's own calls check, and both flat and
+        contiguous, as every caller's are (stricter than gloo)."""
+        if not (self.point_to_point and input.device.type == "cpu"):
+            return False
+        whole, part = (input, output) if what == "reduce_scatter" else (output, input)
+        if not (whole.dtype == part.dtype and whole.is_contiguous() and part.is_contiguous()
+                and whole.dim() == part.dim() == 1 and whole.numel() == self.size * part.numel()):
+            raise ValueError(f"{what} on the {self.tag} group takes flat contiguous tensors of one dtype, the "
+                             f"whole {self.size} times the part: got {tuple(whole.shape)} {whole.dtype} and "
+                             f"{tuple(part.shape)} {part.dtype}")
+        return True
 
     @staticmethod
     def _finish_unless_async(work: _ExchangeWork, async_op: bool) -> _ExchangeWork | None:
@@ -194,39 +205,33 @@ class _ExchangeWork:
 
     unfinished: set[_ExchangeWork] = set()
 
-    def __init__(self, ops: list[dist.P2POp], finish=None) -> None:
-        self.ops, self.works, self.finish = ops, [], finish  # the ops hold the buffers, even if posting fails
-        _ExchangeWork.unfinished.add(self)
-        self.works = dist.batch_isend_irecv(ops)
-
-    @staticmethod
-    def check(output: torch.Tensor, input: torch.Tensor, comm: Communicator, what: str) -> None:
-        """Before anything is counted or sent: the whole (a reduce-scatter's input, an
-        all-gather's output) N times the part, one dtype, as gloo's own calls check, and both
-        flat and contiguous, as every caller's are (stricter than gloo)."""
-        whole, part = (input, output) if what == "reduce_scatter" else (output, input)
-        if not (whole.dtype == part.dtype and whole.is_contiguous() and part.is_contiguous()
-                and whole.dim() == part.dim() == 1 and whole.numel() == comm.size * part.numel()):
-            raise ValueError(f"{what} on the {comm.tag} group takes flat contiguous tensors of one dtype, the "
-                             f"whole {comm.size} times the part: got {tuple(whole.shape)} {whole.dtype} and "
-                             f"{tuple(part.shape)} {part.dtype}")
+    def __init__(self, comm: Communicator, receives: list[torch.Tensor | None], sends: list[torch.Tensor],
+                 finish=None) -> None:
+        """Post, for every peer p (rank order), a receive into receives[p], then a send of
+        sends[p]; this rank's own entries are skipped."""
+        peers = [p for p in range(comm.size) if p != comm.rank]
+        self.ops = [dist.P2POp(dist.irecv, receives[p], group=comm.group, tag=EXCHANGE_TAG, group_peer=p)
+                    for p in peers]
+        self.ops += [dist.P2POp(dist.isend, sends[p], group=comm.group, tag=EXCHANGE_TAG, group_peer=p)
+                     for p in peers]
+        self.finish = finish
+        _ExchangeWork.unfinished.add(self)  # before posting: the ops hold the buffers, even if posting fails
+        self.works = dist.batch_isend_irecv(self.ops)
 
     @classmethod
     def reduce_scatter(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
-        """Each peer's copy of this rank's slice lands in `received`; the sum goes to `output`
-        (which may be this rank's slice of `input` itself, stage 1's in-place reduction)."""
+        """Each peer's copy of this rank's slice lands in its row of `received`; the sum goes to
+        `output` (which may be this rank's slice of `input` itself, stage 1's in-place reduction)."""
         slices = input.chunk(comm.size)
-        peers = [p for p in range(comm.size) if p != comm.rank]
-        received = torch.empty((len(peers), output.numel()), dtype=input.dtype, device=input.device)
-        ops = [dist.P2POp(dist.irecv, received[k], group=comm.group, tag=EXCHANGE_TAG, group_peer=p)
-               for k, p in enumerate(peers)]
-        ops += [dist.P2POp(dist.isend, slices[p], group=comm.group, tag=EXCHANGE_TAG, group_peer=p) for p in peers]
+        received = torch.empty((comm.size - 1, output.numel()), dtype=input.dtype, device=input.device)
+        rows = iter(received)
+        receives = [None if p == comm.rank else next(rows) for p in range(comm.size)]
 
         def finish() -> None:  # this rank's own slice, then its peers' in rank order: deterministic
             torch.add(slices[comm.rank], received[0], out=output)
             for more in received[1:]:
                 output.add_(more)
-        return cls(ops, finish)
+        return cls(comm, receives, list(slices), finish)
 
     @classmethod
     def all_gather(cls, output: torch.Tensor, input: torch.Tensor, comm: Communicator) -> _ExchangeWork:
@@ -235,10 +240,7 @@ class _ExchangeWork:
         places = output.chunk(comm.size)
         if places[comm.rank].data_ptr() != input.data_ptr():
             places[comm.rank].copy_(input)
-        peers = [p for p in range(comm.size) if p != comm.rank]
-        ops = [dist.P2POp(dist.irecv, places[p], group=comm.group, tag=EXCHANGE_TAG, group_peer=p) for p in peers]
-        ops += [dist.P2POp(dist.isend, input, group=comm.group, tag=EXCHANGE_TAG, group_peer=p) for p in peers]
-        return cls(ops)
+        return cls(comm, list(places), [input] * comm.size)
 
     def wait(self) -> bool:
         for work in self.works:
