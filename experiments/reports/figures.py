@@ -171,10 +171,13 @@ def scaling(records: list[dict], paper: pd.DataFrame | None = None) -> Figure:
     else:
         _empty(ours, "no ok records selected")
     ours.set(xlabel="GPUs (ranks)", ylabel="TFLOPs / GPU", title=f"this suite: {main[0]['experiment']}" if main else "this suite")
+    if main:  # a dozen lines: their legend goes under the axes, where it covers none of them
+        _legend_below(ours, ncol=4)
     p = paper[paper.experiment == "fig3"]
     theirs.plot([int(x.split()[0]) for x in p.x], p.paper_tflops_per_gpu, "s-", label="60B, ZeRO, DeepSpeed figure (APPROX)")
     theirs.set(xlabel="GPUs", ylabel="TFLOPs / GPU", title="DeepSpeed's ZeRO-2 figure (pixels): 60B, MP 16")
-    _finish(ours, theirs)
+    _finish(theirs)
+    ours.grid(alpha=0.3)
     return fig
 
 
@@ -233,28 +236,42 @@ def _billions(printed: str) -> float:
     return float(printed.split("B")[0])
 
 
+V100_BYTES = 32e9  # the paper's device (a 32 GB V100): the budget largest_model_cpu divides
+
+
 def largest_model_cpu(records: list[dict]) -> Figure:
-    """The CPU grid: the largest model each stage trained on this machine's ranks, and its
-    throughput. Every stage trains the grid's largest model: the bars show the grid, not a limit."""
-    ok = _ok(records)
-    fig, ax = _subplots(figsize=(7, 4.4))
-    fig.suptitle(f"CPU grid: the largest model of the grid each stage trained, and its throughput\n"
-                 f"measured on: {hardware_label(ok)}; bounded by the grid's models, not by memory", fontsize=9)
-    best: dict[int, dict] = {}
-    for r in ok:
-        if r["params"] > best.get(r["stage"], {"params": -1})["params"]:
-            best[r["stage"]] = r
-    names = [STAGE_NAMES[s] for s in sorted(best)]
-    unit, letter = _scale([r["params"] for r in best.values()])
-    bars = ax.bar(names, [best[s]["params"] / unit for s in sorted(best)], color=[STAGE_COLORS[n] for n in names])
-    for bar, s in zip(bars, sorted(best)):
-        ax.annotate(f"{best[s]['model']['name']}, {best[s]['world_size']} rank{'s' * (best[s]['world_size'] > 1)}\n"
-                    f"{best[s]['tflops_per_gpu']:.3g} TFLOPs/rank",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    if not ok:
-        _empty(ax, "no ok records measured on hardware")
-    ax.set(ylabel=f"parameters ({letter})")
-    _headroom(ax, 0.3)  # two lines of label above each bar
+    """The CPU grid read as the paper reads its Figure 4 and Table 2: the largest model whose model
+    states would fit a 32 GB V100, from the model-state bytes per parameter each stage measured at
+    each DP degree (the grid's largest model, TP 1). Every stage trains every model of the grid on
+    this machine, so the grid itself has no limit to show; its bytes per parameter are what set one."""
+    ok = [r for r in _ok(records) if r["tp"] == 1 and r["memory"]["measured"].get("total")]
+    main = _main_experiment(ok)
+    model = max(main, key=lambda r: r["params"])["model"]["name"] if main else None
+    chosen = [r for r in main if r["model"]["name"] == model]
+    fig, ax = _subplots(figsize=(8, 4.8))
+    what = f"{model}, {chosen[0]['precision']}; " if chosen else ""
+    fig.suptitle("CPU grid: the largest model whose model states would fit a 32 GB V100, at the bytes per "
+                 f"parameter measured here\n({what}activations, buffers and the CUDA reserve not counted; "
+                 f"measured on: {hardware_label(chosen)})", fontsize=9)
+    if not chosen:
+        _empty(ax, "no ok records at TP 1 with measured model states")
+        return fig
+    dps = sorted({r["dp"] for r in chosen})
+    stages = sorted({r["stage"] for r in chosen})
+    width = 0.8 / len(stages)
+    for i, stage in enumerate(stages):
+        by_dp = {r["dp"]: r for r in chosen if r["stage"] == stage}
+        xs = [j + (i - (len(stages) - 1) / 2) * width for j, dp in enumerate(dps) if dp in by_dp]
+        per_param = [by_dp[dp]["memory"]["measured"]["total"] / by_dp[dp]["params"] for dp in dps if dp in by_dp]
+        name = STAGE_NAMES[stage]
+        bars = ax.bar(xs, [V100_BYTES / b / 1e9 for b in per_param], width, color=STAGE_COLORS[name], label=name)
+        for bar, b in zip(bars, per_param):  # the measured quantity itself, under the number it gives
+            ax.annotate(f"{b:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_xticks(range(len(dps)), [f"Nd = {dp}" for dp in dps])
+    ax.set(ylabel="parameters (B) in 32 GB", xlabel="DP degree (ranks); above each bar: measured bytes per parameter")
+    _headroom(ax, 0.12)
+    _legend_below(ax, ncol=len(stages))
     ax.grid(alpha=0.3, axis="y")
     return fig
 
@@ -263,23 +280,19 @@ def memory_bars(records: list[dict], psi: float = 7.5e9, nds: tuple[int, ...] = 
     """Stacked model-state bars per stage and Nd: the paper's 16Ψ shrinking to 16Ψ/Nd (its
     Figure 1 example, 7.5B), and the suite's measured bytes beside their prediction."""
     fig, (theory, measured) = _two_panels("Model-state memory per device by stage and DP degree", records)
-    labels, bottoms = [], []
-    for stage in range(4):
-        for nd in nds:
-            labels.append(f"{STAGE_NAMES[stage]}\nNd={nd}")
-            bottoms.append(model_state_bytes(psi, stage, nd))
-    _stack(theory, labels, [{k: b[k] / 1e9 for k in KIND_COLORS} for b in bottoms])
+    bars = [(STAGE_NAMES[stage], nd, model_state_bytes(psi, stage, nd)) for stage in range(4) for nd in nds]
+    _stack(theory, [(stage, nd) for stage, nd, _ in bars], [{k: b[k] / 1e9 for k in KIND_COLORS} for *_, b in bars])
     theory.set(ylabel="GB", title=f"memory model, Ψ = {psi / 1e9:g}B, K = 12 (Table 1)")
     ok = [r for r in _ok(records) if r["tp"] == 1]
     pool = [r for r in ok if r["experiment"] == "table1"] or _main_experiment(ok)  # table1 measures exactly this
     model = max(pool, key=lambda r: r["params"])["model"]["name"] if pool else None
     chosen = sorted((r for r in pool if r["model"]["name"] == model), key=lambda r: (r["stage"], r["dp"]))
     if chosen:
-        _stack(measured, [f"{STAGE_NAMES[r['stage']]}\nNd={r['dp']}" for r in chosen],
+        _stack(measured, [(STAGE_NAMES[r["stage"]], r["dp"]) for r in chosen],
                [{k: r["memory"]["measured"][k] / 1e6 for k in KIND_COLORS} for r in chosen])
         measured.plot(range(len(chosen)), [r["memory"]["predicted"]["total"] / 1e6 for r in chosen], "k_", ms=18,
                       label="predicted total")
-        measured.legend(fontsize=7)
+        measured.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     else:
         _empty(measured, "no ok records selected")
     measured.set(ylabel="MB", title=f"measured, rank 0: {chosen[0]['experiment']}, {model}, {chosen[0]['precision']}"
@@ -287,14 +300,25 @@ def memory_bars(records: list[dict], psi: float = 7.5e9, nds: tuple[int, ...] = 
     return fig
 
 
-def _stack(ax, labels: list[str], values: list[dict[str, float]]) -> None:
-    bottom = [0.0] * len(labels)
+def _stack(ax, bars: list[tuple[str, int]], values: list[dict[str, float]]) -> None:
+    """Stacked bars, one per (stage, Nd): Nd under each bar and the stage once under its group, both
+    horizontal and large enough to read at the notebook's 90 dpi (a rotated label per bar was not)."""
+    bottom = [0.0] * len(bars)
     for kind, color in KIND_COLORS.items():
         heights = [v[kind] for v in values]
-        ax.bar(range(len(labels)), heights, bottom=bottom, color=color, label=kind.replace("_", " "))
+        ax.bar(range(len(bars)), heights, bottom=bottom, color=color, label=kind.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=90)
-    ax.legend(fontsize=7)
+    ax.set_xticks(range(len(bars)), [str(nd) for _, nd in bars], fontsize=8)
+    ax.set_xlabel("Nd (DP degree), by stage", fontsize=8, labelpad=16)
+    groups: dict[str, list[int]] = {}
+    for i, (stage, _) in enumerate(bars):
+        groups.setdefault(stage, []).append(i)
+    for stage, positions in groups.items():
+        ax.annotate(stage, (sum(positions) / len(positions), 0.0), xycoords=("data", "axes fraction"),
+                    xytext=(0, -15), textcoords="offset points", ha="center", va="top", fontsize=8)
+        if positions[0] > 0:  # a faint line between groups
+            ax.axvline(positions[0] - 0.5, color="0.7", lw=0.8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
 
 
 def communication(records: list[dict]) -> Figure:
@@ -316,6 +340,10 @@ def communication(records: list[dict]) -> Figure:
             detail.plot(*zip(*pts), "o", color=STAGE_COLORS[STAGE_NAMES[stage]], label=STAGE_NAMES[stage])
     ax.set_xticks(range(4), [STAGE_NAMES[s] for s in range(4)])
     ax.set(ylabel="elements per step / Ψ")
+    if any(r["comm"]["elements_per_step"] < 2.99 * r["params_per_gpu"] for r in ok if r["stage"] == 3):
+        ax.set_title("measured (dots) vs the paper's 2Ψ, 2Ψ, 2Ψ, 3Ψ (bars); Pos+g+p under 3Ψ: the engine's\n"
+                     "default gathers the root unit once a step (stage3_keep_root); "
+                     "zero.stage3_keep_root=false moves 3Ψ", fontsize=9)
     _headroom(ax, 0.15)
     _log_axis(detail.yaxis, [r["comm"]["elements_per_step"] for r in ok])
     detail.set_xticks(sorted({r["dp"] for r in ok}))
@@ -495,39 +523,60 @@ SIM_KINDS = {"params": "tab:blue", "grads": "tab:orange", "optimizer_states": "t
 
 
 def simulated_memory(records: list[dict]) -> Figure:
-    """Simulated points (experiments/run/fake.py): the simulated rank's peak device memory by kind,
-    against the device (line) less the cluster's CUDA reserve (dashed), one panel per experiment
-    (the two with the most simulated points); marked SIMULATED, never mixed with hardware."""
+    """Simulated points (experiments/run/fake.py): the simulated rank's tensors at their peak by kind
+    (bars), the caching allocator's reserved peak replayed from the same allocations (a tick: the
+    tensors plus what the allocator cached and split), against the device (line) less the cluster's
+    CUDA reserve (dashed), one panel per experiment (the two with the most simulated points), one
+    above the other so each label is readable; marked SIMULATED, never mixed with hardware."""
     sims = [r for r in records if r.get("measured_by") == "simulated" and "peak_by_kind" in r.get("memory", {})]
     by_exp: dict[str, list[dict]] = {}
     for r in sims:
         by_exp.setdefault(r["experiment"], []).append(r)
     chosen = sorted(by_exp, key=lambda e: -len(by_exp[e]))[:2]
-    fig, axes = _subplots(1, max(1, len(chosen)), figsize=(13, 5.6), squeeze=False)
-    fig.suptitle("SIMULATED peak device memory of one rank at the point's full world size (fake tensors; "
-                 "CUDA 512-byte blocks; not seen: fragmentation, NCCL buffers, kernel workspaces)", fontsize=9)
+    fig, axes = _subplots(max(1, len(chosen)), 1, figsize=(13, 5.2 * max(1, len(chosen))), squeeze=False)
+    fig.suptitle("SIMULATED device memory of one rank at the point's full world size (fake tensors, CUDA 512-byte "
+                 "blocks). Bars: the tensors at their peak; tick: the caching allocator's reserved peak, replayed\n"
+                 "from the same allocations (fragmentation included). A point is oom when that reserved peak plus "
+                 "the CUDA reserve exceeds the device. Not seen: NCCL's buffers, kernel workspaces but cuBLAS's.",
+                 fontsize=9)
     if not chosen:
         _empty(axes[0][0], "no simulated records")
-    for ax, experiment in zip(axes[0], chosen):
+    for ax, experiment in zip(axes[:, 0], chosen):
         rs = sorted(by_exp[experiment], key=lambda r: (r["stage"] == 0, r["params"]))
-        labels = [f"{r['model']['name']} ({r['status']})\n{STAGE_NAMES[r['stage']]} MP{r['tp']}{_zero_r_label(r)}"
-                  for r in rs]  # two lines: a label as wide as its bar at the notebook's dpi
+        labels = [_simulated_label(r) for r in rs]
         bottom = [0.0] * len(rs)
         for kind, color in SIM_KINDS.items():
             heights = [r["memory"]["peak_by_kind"].get(kind, 0) / 1e9 for r in rs]
             ax.bar(range(len(rs)), heights, bottom=bottom, color=color, label=kind.replace("_", " "))
             bottom = [b + h for b, h in zip(bottom, heights)]
+        reserved = [(i, r["memory"]["reserved_peak_bytes"] / 1e9) for i, r in enumerate(rs)
+                    if r["memory"].get("reserved_peak_bytes")]
+        if reserved:
+            ax.plot(*zip(*reserved), "k_", ms=14, mew=2, label="reserved (allocator replay)")
         device = [r["memory"].get("device_bytes") for r in rs]
         if any(device):
             top = max(d for d in device if d) / 1e9
             reserve = max(r["memory"].get("cuda_reserve_bytes", 0) for r in rs) / 1e9
             ax.axhline(top, color="k", lw=1.2, label=f"device {top:g} GB")
             ax.axhline(top - reserve, color="k", lw=1, ls="--", label=f"less CUDA reserve {reserve:g} GB")
-        ax.set_xticks(range(len(rs)), labels, fontsize=6, rotation=90)
+        ax.set_xticks(range(len(rs)), labels, fontsize=7)
+        for tick, r in zip(ax.get_xticklabels(), rs):
+            if r["status"] != "ok":
+                tick.set_color(TEXT_COLOR)
         ax.set(ylabel="GB (simulated)", title=f"{experiment}: rank {rs[0].get('simulated_rank', 0)} of each point (SIMULATED)")
-        ax.legend(fontsize=6, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.06), frameon=False)
+        ax.legend(fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.04), frameon=False)
         ax.grid(alpha=0.3, axis="y")
     return fig
+
+
+def _simulated_label(record: dict) -> str:
+    """A bar's label in short lines, each no wider than the bar at the notebook's dpi: the model
+    without its experiment's prefix (fig4_1.38b@L42 -> 1.38b, L42), OOM, the stage, MP and ZeRO-R."""
+    name = record["model"]["name"]
+    name = name.split("_", 1)[1] if "_" in name else name
+    stage = "DP" if record["stage"] == 0 else STAGE_NAMES[record["stage"]]
+    lines = [*name.split("@"), *(["OOM"] if record["status"] == "oom" else []), f"{stage} MP{record['tp']}"]
+    return "\n".join(lines) + _zero_r_label(record).replace(" ", "\n")
 
 
 def _zero_r_label(record: dict) -> str:
