@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test test-timing test-matrix run bench proxies calibrate gpu-check reference reference-plans compare clean
+.PHONY: setup test test-timing test-matrix run bench proxies reference-proxies reference-bench reference-host-time calibrate gpu-check reference reference-plans compare clean
 
 setup: $(STAMP)
 
@@ -44,9 +44,30 @@ bench: $(STAMP)
 	$(BIN)/python -m experiments.bench_engine
 
 # What each system's step would cost a GPU, counted on CPU (kernels, host syncs, collectives, bytes),
-# priced on dgx2_v100 and dgx_h100: results/reference/bench/proxies.md (docs/benchmark.md)
+# priced on dgx2_v100 and dgx_h100: results/reports/bench/proxies.md, ignored by git (docs/benchmark.md)
 proxies: $(STAMP)
 	$(BIN)/python -m experiments.bench_proxies
+
+# No command above rewrites a committed file: these targets regenerate the committed benchmark
+# tables, each with DeepSpeed installed first (make compare) so that its rows are there, then
+# refresh the copies README.md and docs/ paste.
+REFERENCE_BENCH := results/reference/bench
+reference-proxies: compare
+	$(BIN)/python -m experiments.bench_proxies --out $(REFERENCE_BENCH)/proxies.md
+	$(BIN)/python -m experiments.reports.pasted
+
+# The committed engine benchmark (docs/benchmark.md, "The committed run"): bench_engine prints its
+# table and writes no file, so its output from the table's header on is kept (about 8 minutes on 2 cores).
+reference-bench: compare
+	@mkdir -p results/reports/bench
+	$(BIN)/python -m experiments.bench_engine --repeats 4 > results/reports/bench/bench_engine.out
+	sed -n '/^| system /,$$p' results/reports/bench/bench_engine.out > $(REFERENCE_BENCH)/bench_engine_cpu.md
+	$(BIN)/python -m experiments.reports.pasted
+
+# The committed host time of one megatron-core layer (experiments/reports/host_ops.py --time), which
+# the step-time model's host constant is checked against.
+reference-host-time: $(STAMP)
+	$(BIN)/python -m experiments.reports.host_ops --time --out $(REFERENCE_BENCH)/layer_host_time.csv
 
 # This machine's profile for the step-time model (GEMMs, bandwidth, op floor, gloo; under 2 minutes):
 # results/calibration/<hostname>.yaml, generated and ignored by git; report.py's prediction check uses it.

@@ -3,6 +3,10 @@
     python -m experiments.bench_proxies                  # make proxies: world 2, every system found
     python -m experiments.bench_proxies --systems zero2,fsdp2 --out /tmp/proxies.md
 
+It writes results/reports/bench/proxies.md (ignored by git) unless --out says otherwise; the
+committed table, results/reference/bench/proxies.md, is rewritten only by `make reference-proxies`,
+which installs DeepSpeed first so that its rows are there.
+
 On the engine benchmark's model (bench_engine.py: the same GPT, micro-batch and buckets), one
 training step after a warm-up step, with clipping on (1.0) and the optimizer a GPU run would
 use (torch's fused AdamW), each system's forward, backward and optimizer step are counted by a
@@ -32,10 +36,11 @@ from experiments.bench_engine import BUCKET, LR, MICRO_BATCH, MODEL, build_model
 from experiments.launch import spawn
 from experiments.models.tiny_gpt import lm_loss, synthetic_tokens
 from experiments.proxy_counts import PHASES, OpCounter
+from experiments.records import REPO
 
 CLIP = 1.0
 PRICED_ON = ("dgx2_v100", "dgx_h100")
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "reference" / "bench" / "proxies.md"
+DEFAULT_OUT = REPO / "results" / "reports" / "bench" / "proxies.md"   # a user's run: never the committed table
 Phases = tuple[Callable, Callable, Callable]  # forward(tokens) -> loss, backward(loss), step()
 
 
