@@ -309,15 +309,15 @@ def _stack(ax, bars: list[tuple[str, int]], values: list[dict[str, float]]) -> N
         ax.bar(range(len(bars)), heights, bottom=bottom, color=color, label=kind.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xticks(range(len(bars)), [str(nd) for _, nd in bars], fontsize=8)
-    ax.set_xlabel("Nd (DP degree), by stage", fontsize=8, labelpad=16)
+    ax.set_xlabel("Nd (DP degree), by stage", fontsize=8, labelpad=18)
     groups: dict[str, list[int]] = {}
     for i, (stage, _) in enumerate(bars):
         groups.setdefault(stage, []).append(i)
-    for stage, positions in groups.items():
-        ax.annotate(stage, (sum(positions) / len(positions), 0.0), xycoords=("data", "axes fraction"),
-                    xytext=(0, -15), textcoords="offset points", ha="center", va="top", fontsize=8)
-        if positions[0] > 0:  # a faint line between groups
-            ax.axvline(positions[0] - 0.5, color="0.7", lw=0.8)
+    stages = ax.secondary_xaxis("bottom")  # a second row of labels under the Nd ticks: the stage of each group
+    stages.set_xticks([sum(p) / len(p) for p in groups.values()], list(groups), fontsize=8)
+    stages.tick_params(length=0, pad=14)
+    for positions in list(groups.values())[1:]:  # a faint line between groups
+        ax.axvline(positions[0] - 0.5, color="0.7", lw=0.8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
 
 
@@ -564,19 +564,22 @@ def simulated_memory(records: list[dict]) -> Figure:
             if r["status"] != "ok":
                 tick.set_color(TEXT_COLOR)
         ax.set(ylabel="GB (simulated)", title=f"{experiment}: rank {rs[0].get('simulated_rank', 0)} of each point (SIMULATED)")
-        ax.legend(fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.04), frameon=False)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside the bars
         ax.grid(alpha=0.3, axis="y")
     return fig
 
 
 def _simulated_label(record: dict) -> str:
     """A bar's label in short lines, each no wider than the bar at the notebook's dpi: the model
-    without its experiment's prefix (fig4_1.38b@L42 -> 1.38b, L42), OOM, the stage, MP and ZeRO-R."""
+    without its experiment's prefix (fig4_1.38b@L42 -> 1.38b, L42; fig2_80b_h128 -> 80b, h128), OOM,
+    the stage, MP and ZeRO-R."""
     name = record["model"]["name"]
     name = name.split("_", 1)[1] if "_" in name else name
     stage = "DP" if record["stage"] == 0 else STAGE_NAMES[record["stage"]]
-    lines = [*name.split("@"), *(["OOM"] if record["status"] == "oom" else []), f"{stage} MP{record['tp']}"]
-    return "\n".join(lines) + _zero_r_label(record).replace(" ", "\n")
+    zero_r = _zero_r_label(record).strip().replace("+cpu", "+\ncpu")  # Pa+cpu+MD in two lines: one bar wide
+    lines = [*name.replace("_", "@").split("@"), *(["OOM"] if record["status"] == "oom" else []), stage, f"MP{record['tp']}",
+             *zero_r.split("\n")]
+    return "\n".join(line for line in lines if line)
 
 
 def _zero_r_label(record: dict) -> str:
