@@ -53,6 +53,9 @@ LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": Fals
                        "optimizer_bucket_size": None, "force_collectives": False, "loss_scale": 0.0,
                        "initial_scale_power": 16, "loss_scale_window": 1000, "min_loss_scale": 1.0, "hysteresis": 1,
                        "consecutive_hysteresis": False}
+# engine knobs that choose how gloo moves the same bytes, not what a point is: outside its hash
+# (the record's resolved config keeps them)
+UNHASHED_KNOBS = ("gloo_point_to_point",)
 LATER_TRAIN_DEFAULTS = {"layer_spec": "local", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8}  # train.* likewise
 
 
@@ -108,8 +111,8 @@ class Point:
     def point_id(self) -> str:
         """Readable and unique: the axes, the note, and a hash of everything else."""
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
-        settings["zero"] = {k: v for k, v in self.zero.items()
-                            if k not in LATER_KNOB_DEFAULTS or v != LATER_KNOB_DEFAULTS[k]}
+        settings["zero"] = {k: v for k, v in self.zero.items() if k not in UNHASHED_KNOBS
+                            and (k not in LATER_KNOB_DEFAULTS or v != LATER_KNOB_DEFAULTS[k])}
         settings["train"] = {k: v for k, v in self.train.items() if k not in NOT_HASHED
                              and (k not in LATER_TRAIN_DEFAULTS or v != LATER_TRAIN_DEFAULTS[k])}
         if settings["train"]["precision"] == "auto":  # auto means fp32 on CPU, half precision on GPUs

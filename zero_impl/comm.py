@@ -12,8 +12,9 @@ whole output (input), kept by the Work until it is waited on and dropped.
 gloo is another matter (ProcessGroupGloo.cpp, torch 2.13): its reduce_scatter_tensor clones
 the whole input, all-reduces the clone and copies this rank's slice out, so it moves an
 all-reduce's bytes, twice a reduce-scatter's; its all_gather_into_tensor gathers into a flat
-temporary of the whole output and copies it out. On gloo with CPU tensors the two therefore run
-as point-to-point exchanges (`point_to_point`), which move exactly a reduce-scatter's and an
+temporary of the whole output and copies it out. On gloo with CPU tensors the two can therefore
+run as point-to-point exchanges (`point_to_point`, ZeroConfig.gloo_point_to_point, off by
+default: the default is the collectives NCCL gets), which move exactly a reduce-scatter's and an
 all-gather's bytes: each rank receives every peer's copy of its own slice and sums them, or
 receives every peer's shard straight into its place in the output. Counted the same. A
 reduce-scatter's exchange receives into a buffer of its own, (N-1)/N of its input, alive until
@@ -90,7 +91,7 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, tag: str, solo: bool = False,
-                 check_order: bool = False, force: bool = False, point_to_point: bool = True) -> None:
+                 check_order: bool = False, force: bool = False, point_to_point: bool = False) -> None:
         """`group` None is the default group; `solo` makes a world of one whatever the group;
         `check_order` compares every collective across ranks before issuing it; `force` issues
         every collective on the group even when it has one rank (never with `solo`);

@@ -74,9 +74,10 @@ class ZeroConfig:
         point-to-point exchanges between every pair of ranks (comm.py): gloo's own
         reduce_scatter_tensor all-reduces a clone of its input, twice the bytes, and its
         all_gather_into_tensor copies through a temporary. The traffic is counted the same.
-        False: gloo's own calls, the ones NCCL gets (make proxies counts those). No effect on NCCL.
-        With it, a rank must not exit with an exchange in flight: with overlap_param_gather, call
-        engine.finish_param_gathers() or close() first.
+        False (default): gloo's own calls, the ones NCCL gets, so every CPU run and test takes the
+        path GPU runs take; the CPU benchmark and `make run` turn the exchange on. No effect on
+        NCCL. With it, a rank must not exit with an exchange in flight: with
+        overlap_param_gather, call engine.finish_param_gathers() or close() first.
 
     ZeRO-R (paper Section 6; DeepSpeed's activation_checkpointing names; activations.py). They act on
     the checkpoints of activation recomputation (a reentrant checkpoint per layer, as megatron-core's):
@@ -116,7 +117,7 @@ class ZeroConfig:
     stage3_keep_root: bool = True
     check_collective_order: bool = False
     force_collectives: bool = False
-    gloo_point_to_point: bool = True
+    gloo_point_to_point: bool = False
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False

@@ -41,18 +41,19 @@ def adamw_implementation() -> dict:
 
 
 def wrap_in_engine(point: Point, precision: str, model: torch.nn.Module, init_fn, dp_group, tp_group,
-                   gloo_point_to_point: bool = True, **adamw) -> zero_impl.ZeroEngine:
+                   gloo_point_to_point: bool | None = None, **adamw) -> zero_impl.ZeroEngine:
     """`model` in the point's engine: its ZeroConfig, and the paper's AdamW (weight decay on
     matrices only) over ZeRO's data-parallel group; `adamw` options replace
     adamw_implementation()'s choice (fake.py's simulation asks for foreach);
-    `gloo_point_to_point` False makes gloo run the calls NCCL gets (ZeroConfig)."""
+    `gloo_point_to_point` replaces the point's zero.gloo_point_to_point (ZeroConfig): False makes
+    gloo run the calls NCCL gets."""
     t = point.train
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": t["weight_decay"]},
               {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
     config = zero_impl.ZeroConfig(stage=point.stage, precision=precision, grad_accum_steps=t["grad_accum_steps"],
-                                  gloo_point_to_point=gloo_point_to_point,
-                                  **{"overlap_param_gather": True, **point.zero})  # every rank runs each forward
+                                  **{"overlap_param_gather": True, **point.zero,  # every rank runs each forward
+                                     **({} if gloo_point_to_point is None else {"gloo_point_to_point": gloo_point_to_point})})
     options = adamw or adamw_implementation()
 
     def adamw_over(g):

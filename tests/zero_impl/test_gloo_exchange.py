@@ -1,4 +1,5 @@
-"""On gloo, reduce-scatters and all-gathers run as point-to-point exchanges (comm.py).
+"""On gloo, with ZeroConfig.gloo_point_to_point, reduce-scatters and all-gathers run as
+point-to-point exchanges (comm.py).
 
 gloo's reduce_scatter_tensor all-reduces a clone of its input, and its all_gather_into_tensor
 copies through a temporary; the exchanges move a reduce-scatter's and an all-gather's bytes,
@@ -6,7 +7,7 @@ no more. Checked against gloo's own collectives on integer-valued data (sums exa
 order): the same results, in place as out of place, with several exchanges in flight before the
 first wait; the ledger counts them as the collectives they stand for; and the sends handed to
 torch.distributed carry exactly the convention's elements, counted in a dispatch mode.
-Training with and without them is compared in test_parity (gloo_point_to_point=False cases).
+Training with them is compared with the reference in test_parity (gloo_point_to_point=True cases).
 """
 from __future__ import annotations
 
