@@ -359,6 +359,40 @@ def check_runnable_here(points: list[Point]) -> None:
                               "List it with dry_run=true, or run it through a SLURM launcher")
 
 
+def host_available_bytes() -> int | None:
+    """What this host can give new allocations now without swapping: /proc/meminfo's MemAvailable
+    (None where there is no /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(point: Point, ranks_here: int, available: int | None = None) -> None:
+    """A point run for real on CPU processes must fit this host: its predicted peak per process
+    (predicted_memory_bytes, the dry run's prediction, at the precision it trains in here and
+    without dropout, as the benchmark model has none) within the host's available memory
+    (`available`, default host_available_bytes) divided among its `ranks_here` ranks on this host.
+    Checked before anything is built: a paper-sized point would otherwise take the host's memory
+    within seconds. GPU ranks hold their tensors on the device: not checked here."""
+    if torch.cuda.is_available():
+        return
+    available = host_available_bytes() if available is None else available
+    if available is None:
+        return
+    needed = predicted_memory_bytes(point, resolve_precision(point.train["precision"]), dropout=False)["total"]
+    per_rank = available / ranks_here
+    if needed > per_rank:
+        raise ConfigError(f"point ({point.describe()}) needs {needed / 1e9:.2f} GB per process (predicted) and this host "
+                          f"can give {per_rank / 1e9:.2f} GB per process (MemAvailable {available / 1e9:.2f} GB over "
+                          f"{ranks_here} rank(s)): see its memory with simulate=true (sweep.py: also dry_run=true), or run it "
+                          "anyway with ignore_host_memory=true")
+
+
 # zero_impl.checkpoint writes each trainable parameter's fp32 master and Adam's two fp32 moments
 # (the model-precision parameter is the master's rounding: not written)
 CHECKPOINT_BYTES_PER_PARAM = 12

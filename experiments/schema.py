@@ -169,6 +169,7 @@ class SweepConfig:
     simulate: bool = False    # play one rank of each point's full world on fake tensors (experiments/run/fake.py)
     simulate_rank: int = 0    # the rank simulate=true plays
     simulate_workers: int = 0  # points simulated at once (0: the CPU count)
+    ignore_host_memory: bool = False  # run points whose predicted memory exceeds what this host has available (points.check_host_memory)
     simulate_largest: bool = False  # with simulate: search each row's model family for the most layers that fit (experiments/sweeps/largest.py)
     deepspeed_config: str = ""      # a DeepSpeed JSON: its stage, batch, precision, optimizer and engine knobs (zero_impl.deepspeed)
 
@@ -189,6 +190,7 @@ class TrainConfig:
     results_dir: str = "results/runs"
     simulate: bool = False    # play rank simulate_rank of the point's full world on fake tensors, in this process
     simulate_rank: int = 0
+    ignore_host_memory: bool = False  # run even when the predicted memory exceeds what this host has available (points.check_host_memory)
     deepspeed_config: str = ""  # a DeepSpeed JSON: its stage, batch, precision, optimizer and engine knobs (zero_impl.deepspeed)
 
 

@@ -48,7 +48,7 @@ def run_sweep(cfg: DictConfig) -> int:
     if cfg.simulate:  # one rank of each point's full world, on fake tensors
         return run_sweep_simulated(points, results_dir, rank=cfg.simulate_rank, workers=cfg.simulate_workers,
                                    force=cfg.force)
-    return run_local_sweep(points, results_dir, cfg.launcher, cfg.force, cfg.experiment.name)
+    return run_local_sweep(points, results_dir, cfg.launcher, cfg.force, cfg.experiment.name, cfg.ignore_host_memory)
 
 
 def _absolute(path: str) -> Path:

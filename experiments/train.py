@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 from experiments.cli import exit_on_interrupt, preflight_or_exit
 from experiments.commands import quoted, script_command, train_command
-from experiments.points import (ConfigError, Point, check_runnable_here, check_simulate_rank, cpu_normal_draws_per_s,
-                                launch_plan, point_from_train_config)
+from experiments.points import (ConfigError, Point, check_host_memory, check_runnable_here, check_simulate_rank,
+                                cpu_normal_draws_per_s, launch_plan, point_from_train_config)
 from experiments.schema import register
 
 register()
@@ -70,6 +70,8 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
         print(launch_plan(point, cpu_normal_draws_per_s()))
     else:
         check_launcher_world(point, sys.argv[1:])
+        if not cfg.ignore_host_memory:  # the ranks this host runs of the job (torchrun sets it; plain python: one)
+            check_host_memory(point, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 import zero_impl
 from experiments import records
 from experiments.launch import spawn
-from experiments.points import Point, check_runnable_here, resolve_precision
+from experiments.points import ConfigError, Point, check_host_memory, check_runnable_here, resolve_precision
 from experiments.run.real import checkpoint_root, train_rank, with_checkpoint_dir
 from experiments.run.record import build_record, classify_failure
 from experiments.sweeps.summary import folder_summary_rows, print_summary, summary_rows, write_summary_csv
@@ -22,12 +22,24 @@ from experiments.sweeps.summary import folder_summary_rows, print_summary, summa
 REPO = records.REPO
 
 
-def run_local_sweep(points: list[Point], results_dir: Path, launcher: str, force: bool, name: str) -> int:
-    """Run every point not done yet, record each, then print and write the summary."""
+def run_local_sweep(points: list[Point], results_dir: Path, launcher: str, force: bool, name: str,
+                    ignore_host_memory: bool = False) -> int:
+    """Run every point not done yet, record each, then print and write the summary. A point
+    predicted to need more memory than this host has available (points.check_host_memory) is
+    recorded `invalid`, saying so, unless ignore_host_memory."""
     check_runnable_here(points)
     for point in tqdm(points, desc=name, unit="point", file=sys.stderr):
         if already_done(point, results_dir, force):
             tqdm.write(f"skip {point.point_id}: ok record exists (force=true re-runs it)", file=sys.stderr)
+            continue
+        try:
+            if not ignore_host_memory:
+                check_host_memory(point, point.gpus)  # every rank of a local point runs on this host
+        except ConfigError as e:
+            record = build_record(point, resolve_precision(point.train["precision"]), launcher, "invalid", None, str(e),
+                                  records.now())
+            records.write_record(results_dir / f"{point.point_id}.json", record)
+            tqdm.write(f"invalid {point.point_id}: {e}", file=sys.stderr)
             continue
         record = run_point(point, launcher, results_dir)
         tqdm.write(f"{record['status']:7s} {point.point_id}", file=sys.stderr)
@@ -67,7 +79,8 @@ def run_point(point: Point, launcher: str, results_dir: Path) -> dict:
 
 def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -> dict:
     overrides = [f"{axis}={getattr(point, axis)}" for axis in ("stage", "gpus", "tp", "micro_batch")]
-    overrides += [f"model={point.model['name']}", f"experiment_name={point.experiment}", f"results_dir={path.parent.parent}"]
+    overrides += [f"model={point.model['name']}", f"experiment_name={point.experiment}", f"results_dir={path.parent.parent}",
+                  "ignore_host_memory=true"]  # the sweep has checked the point's memory
     overrides += [f"model.{k}={_override_value(v)}" for k, v in point.model.items()]
     overrides += [f"cluster.{k}={_override_value(v)}" for k, v in point.cluster.items()]
     overrides += [f"train.{k}={_override_value(v)}" for k, v in point.train.items()]
