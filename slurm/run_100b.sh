@@ -23,6 +23,6 @@
 #SBATCH --open-mode=append
 ##SBATCH --partition=<partition>
 ##SBATCH --account=<account>
-exec "${ZERO_REPRO_DIR:-$SLURM_SUBMIT_DIR}/slurm/launch.sh" experiment_name=run_100b model=fig2_100b stage=2 gpus=400 tp=16 \
+exec "${ZERO_REPRO_DIR:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/launch.sh" experiment_name=run_100b model=fig2_100b stage=2 gpus=400 tp=16 \
     micro_batch=32 cluster=dgx2_v100 train.precision=fp16 train.recompute=true \
     zero.partition_activations=true zero.contiguous_memory_optimization=true "$@"

@@ -25,5 +25,5 @@
 #SBATCH --open-mode=append
 ##SBATCH --partition=<partition>
 ##SBATCH --account=<account>
-exec "${ZERO_REPRO_DIR:-$SLURM_SUBMIT_DIR}/slurm/launch.sh" experiment_name=run_13b model=fig4_13b stage=2 gpus=128 tp=1 \
+exec "${ZERO_REPRO_DIR:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/launch.sh" experiment_name=run_13b model=fig4_13b stage=2 gpus=128 tp=1 \
     micro_batch=2 cluster=dgx2_v100 train.precision=fp16 train.recompute=true "$@"

@@ -25,6 +25,6 @@
 GPUS=(64 128 256 400)
 MICRO_BATCH=(16 48 48 64)
 i="${SLURM_ARRAY_TASK_ID:?submit as a job array (sbatch --array=...)}"
-exec "${ZERO_REPRO_DIR:-$SLURM_SUBMIT_DIR}/slurm/launch.sh" experiment_name=run_60b_scaling model=fig3_60b stage=2 \
+exec "${ZERO_REPRO_DIR:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/launch.sh" experiment_name=run_60b_scaling model=fig3_60b stage=2 \
     "gpus=${GPUS[$i]}" tp=16 "micro_batch=${MICRO_BATCH[$i]}" cluster=dgx2_v100 train.precision=fp16 \
     train.recompute=true "$@"

@@ -20,5 +20,5 @@
 #SBATCH --open-mode=append
 ##SBATCH --partition=<partition>
 ##SBATCH --account=<account>
-exec "${ZERO_REPRO_DIR:-$SLURM_SUBMIT_DIR}/slurm/launch.sh" experiment_name=run_7b_zero2 model=gpt_7b stage=2 gpus=8 tp=1 \
+exec "${ZERO_REPRO_DIR:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/launch.sh" experiment_name=run_7b_zero2 model=gpt_7b stage=2 gpus=8 tp=1 \
     micro_batch=4 cluster=dgx_h100 train.precision=bf16 train.recompute=true "$@"

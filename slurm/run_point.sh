@@ -22,4 +22,4 @@
 #SBATCH --open-mode=append
 ##SBATCH --partition=<partition>
 ##SBATCH --account=<account>
-exec "${ZERO_REPRO_DIR:-$SLURM_SUBMIT_DIR}/slurm/launch.sh" experiment_name=run_point "$@"
+exec "${ZERO_REPRO_DIR:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/launch.sh" experiment_name=run_point "$@"

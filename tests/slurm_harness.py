@@ -1,11 +1,15 @@
-"""A real one-node Slurm cluster on this machine, for the tests of slurm/ and the submitit launcher.
+"""A real two-node Slurm cluster on this machine, for the tests of slurm/ and the submitit launcher.
 
 The tests run only when asked (`ZERO_REPRO_INSTALL_SLURM=1`, which `make test INSTALL_SLURM=1`
 and `.ci/run` set), as root, installing Debian's `slurm-wlm` and `munge` when missing; otherwise
 they skip and say why (they start daemons of their own, which a machine with a Slurm must not
-get). A slurm.conf in a temporary folder describes this host as the only
-node; `munged`, `slurmctld` and `slurmd` are started, and the cluster is ready when `sinfo`
-shows the node idle. `stop()` ends the daemons.
+get). A slurm.conf in a temporary folder describes two nodes, `node1` and `node2`, each a
+`slurmd` of its own on this host (`slurmd -N nodeN`, its own port and spool folder), reached at
+127.0.0.1: their names resolve nowhere, as on many clusters, and they share this machine's file
+system, as cluster nodes share one, except `node_local`, a folder node2 sees as its own empty
+tmpfs (a results folder there is one the other nodes cannot see). `munged`, `slurmctld` and the
+`slurmd`s are started, and the cluster is ready when `sinfo` shows both nodes idle. `stop()`
+ends the daemons.
 """
 from __future__ import annotations
 
@@ -49,12 +53,16 @@ def ensure_installed() -> str | None:
 
 
 class LocalSlurm:
-    """One node (this host, all its CPUs), one partition, munge authentication."""
+    """Two nodes (node1, node2: this host, all its CPUs each), one partition, munge authentication."""
+
+    NODES = ("node1", "node2")
+    FIRST_SLURMD_PORT = 6818
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="zero-slurm-"))
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.dir / "slurm.conf"
+        self.node_local = self.dir / "node_local"  # node2 mounts a tmpfs of its own here
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.procs: list[subprocess.Popen] = []
         self.first_job_id = 1000 + int(time.time()) % 50000  # never a job id a stale step still holds
@@ -62,10 +70,15 @@ class LocalSlurm:
         # job waits before it starts again: 15 s keeps the requeue test short
 
     def write_conf(self) -> None:
-        for sub in ("state", "spool", "log"):
+        for sub in ("state", "log", "node_local"):
             (self.dir / sub).mkdir(exist_ok=True)
         cpus = os.cpu_count() or 1
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+        # Each node declares every CPU of the host (two one-CPU tasks fit on a 2-core machine), and
+        # the nodes share them: Slurm counts each node's CPUs alone.
+        nodes = "".join(f"NodeName={name} NodeAddr=127.0.0.1 Port={self.FIRST_SLURMD_PORT + i} CPUs={cpus} "
+                        f"RealMemory={max(memory_mb - 1024, 1024)} State=UNKNOWN\n"
+                        for i, name in enumerate(self.NODES))
         self.conf.write_text(f"""\
 ClusterName=zero-repro-test
 SlurmctldHost={self.host}
@@ -79,17 +92,15 @@ SchedulerType=sched/backfill
 ReturnToService=2
 MpiDefault=none
 StateSaveLocation={self.dir}/state
-SlurmdSpoolDir={self.dir}/spool
+SlurmdSpoolDir={self.dir}/spool%n
 SlurmctldPidFile={self.dir}/slurmctld.pid
-SlurmdPidFile={self.dir}/slurmd.pid
+SlurmdPidFile={self.dir}/slurmd-%n.pid
 SlurmctldLogFile={self.dir}/log/slurmctld.log
-SlurmdLogFile={self.dir}/log/slurmd.log
+SlurmdLogFile={self.dir}/log/slurmd-%n.log
 FirstJobId={self.first_job_id}
 AuthInfo=cred_expire=15
 SlurmctldPort=6817
-SlurmdPort=6818
-NodeName={self.host} CPUs={cpus} RealMemory={max(memory_mb - 1024, 1024)} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
     def start(self, timeout: float = 60) -> None:
@@ -98,18 +109,28 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
         if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
             subprocess.run(["munged", "--force"], check=True, capture_output=True, timeout=30)
-        for daemon in ("slurmctld", "slurmd"):
-            self.procs.append(subprocess.Popen([daemon, "-D", "-f", str(self.conf)], env=self.env,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self._daemon(["slurmctld", "-D", "-f", str(self.conf)])
+        for name in self.NODES[:-1]:
+            self._daemon(["slurmd", "-D", "-N", name, "-f", str(self.conf)])
+        # The last node in a mount namespace of its own, where node_local is a fresh tmpfs: a
+        # folder on a disk only that node sees, as /tmp is on most clusters
+        self._daemon(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                      f'mount -t tmpfs zero-node-local "$0" && exec slurmd -D -N {self.NODES[-1]} -f "$1"',
+                      str(self.node_local), str(self.conf)])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            state = self.run("sinfo", "-h", "-o", "%T").stdout.strip()
-            if state == "idle":
+            states = dict(line.split() for line in self.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.splitlines())
+            if sorted(states) == sorted(self.NODES) and set(states.values()) == {"idle"}:
                 return
-            if state in ("down", "drained", "down*"):
-                self.run("scontrol", "update", f"nodename={self.host}", "state=resume")
+            for name, state in states.items():
+                if state in ("down", "drained", "down*"):
+                    self.run("scontrol", "update", f"nodename={name}", "state=resume")
             time.sleep(0.5)
-        raise RuntimeError(f"Slurm node not idle after {timeout:.0f} s; logs in {self.dir / 'log'}")
+        raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s ({states}); logs in {self.dir / 'log'}")
+
+    def _daemon(self, command: list[str]) -> None:
+        self.procs.append(subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL))
 
     def run(self, *command: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(list(command), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
