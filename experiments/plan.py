@@ -18,7 +18,6 @@ results_dir/plan/<model>-<cluster>-g<gpus>/. Bad input: one line on stderr, exit
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -33,10 +32,6 @@ from experiments.schema import register
 from experiments.sweeps.plan import candidate_points, check_plan_config, run_plan
 
 register()
-# The simulated ranks' known warnings, which would break the progress bar's line: megatron's
-# advice for real CUDA streams, and fake tensors' data_ptr (a simulated buffer has no address).
-warnings.filterwarnings("ignore", message="When using async grad allreduce")
-warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")

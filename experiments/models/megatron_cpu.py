@@ -7,7 +7,9 @@ its helpers assume CUDA:
 2. it keeps named CUDA generator states (an "RNG tracker") for dropout inside tensor-parallel
    regions, and saves/restores the CUDA RNG state around activation recomputation: on CPU the
    tracker holds CPU generator states, and its CUDA-state get/set read and write the CPU one;
-3. (no patch) with no attention mask it builds its default causal mask on device "cuda": the
+3. its tensor-parallel linear layers advise CUDA_DEVICE_MAX_CONNECTIONS=1 for CUDA streams
+   CPU ranks do not have: the advice is silenced;
+4. (no patch) with no attention mask it builds its default causal mask on device "cuda": the
    model builder here always passes an explicit causal mask.
 
 Weights are built with `use_cpu_initialization=True` (megatron allocates them on the default
@@ -16,6 +18,8 @@ tensor-parallel rank keeping its slice (megatron_gpt.init_parameter): any TP deg
 the same model.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from megatron.core.tensor_parallel import random as megatron_random
@@ -45,6 +49,8 @@ def apply_cpu_workarounds() -> bool:
     if torch.cuda.is_available():
         return False
     if not _applied:
+        warnings.filterwarnings("ignore", message="When using .* it is recommended to set the environment variable "
+                                                  "CUDA_DEVICE_MAX_CONNECTIONS")
         torch.cuda.current_device = lambda: "cpu"
         megatron_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
         megatron_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)

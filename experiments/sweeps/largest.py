@@ -43,6 +43,7 @@ from experiments.models.gpt_shape import parameter_count
 from experiments.points import Point, check_simulate_rank, predicted_memory_bytes, simulated_precision
 from experiments.run.fake import is_gpu_cluster, simulate_point
 from experiments.run.record import simulated_path, simulated_record, verdict
+from experiments.sweeps.progress import Progress
 from experiments.sweeps.summary import largest_markdown
 from zero_impl import zero_r_config
 
@@ -235,13 +236,23 @@ class Search:
         }
 
 
+TYPICAL_SIMULATIONS = 3  # a row's search usually ends after 2-4 (module docstring)
+
+
+def expected_simulations(searches: list[Search]) -> int:
+    """The simulations the search will have run, as far as can be told now: a finished row's
+    own, an open row's so far and one more, at least TYPICAL_SIMULATIONS."""
+    return sum(len(s.peaks) + bool(s.failed) if s.done else max(len(s.peaks) + 1, TYPICAL_SIMULATIONS)
+               for s in searches)
+
+
 def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
                 max_simulations: int = MAX_SIMULATIONS) -> list[dict]:
     """Search every row (rows_to_search), up to `workers` simulations at once; write the records
     and return each row's result."""
     pool = ChildPool(workers, what="simulation")
     searches = [Search(row, max_simulations) for row in rows_to_search(points)]
-    started = {}
+    started, progress = {}, Progress(len(searches) * TYPICAL_SIMULATIONS, "simulations", estimated=True)
     while any(not s.done for s in searches) or pool.running:
         for s in searches:
             if not pool.free:
@@ -259,14 +270,17 @@ def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, worker
             s.pending = None
             if not ok:
                 s.failed = payload
-                print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''}", file=sys.stderr)
+                progress.total = expected_simulations(searches)
+                print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''} {progress.done()}",
+                      file=sys.stderr)
                 continue
             record = simulated_record(point, s.precision, payload, None, began, rank)
             s.peaks[point.shape.layers], s.fits[point.shape.layers] = held_bytes(record, s.limit)
             s.records[point.shape.layers] = record
+            progress.total = expected_simulations(searches)
             print(f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
                   f"{record['params'] / 1e9:.2f}B, peak {record['memory']['peak_bytes'] / 1e9:.2f} GB "
-                  f"({payload.get('wall_s', 0):.0f} s)", file=sys.stderr, flush=True)
+                  f"({payload.get('wall_s', 0):.0f} s) {progress.done()}", file=sys.stderr, flush=True)
     results = []
     for s in searches:
         result = s.result()

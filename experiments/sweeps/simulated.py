@@ -13,6 +13,7 @@ from experiments.points import Point, check_simulate_rank, simulated_precision
 from experiments.run.fake import is_gpu_cluster, simulate_point
 from experiments.run.record import simulated_path, simulated_record
 from experiments.run.reserved import alloc_conf_from_env
+from experiments.sweeps.progress import Progress
 from experiments.sweeps.summary import (simulated_folder_summary_rows, simulated_summary_markdown, simulated_summary_rows,
                                         write_summary_csv)
 
@@ -70,11 +71,12 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
             print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
         else:
             todo.append(point)
-    started = time.perf_counter()
+    started, progress = time.perf_counter(), Progress(len(todo))
 
     def done(point: Point, record: dict) -> None:
         wall = (record.get("simulation") or {}).get("wall_s")
-        print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else ""), file=sys.stderr, flush=True)
+        print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else "") + f" {progress.done()}",
+              file=sys.stderr, flush=True)
 
     run_simulated(todo, results_dir, rank=rank, workers=workers or None, on_done=done)
     print(simulated_summary_markdown(simulated_summary_rows(points, results_dir, rank)))
