@@ -192,9 +192,10 @@ def run(names: list[str], world: int, warmup: int, steps: int, repeats: int,
 
 def report(measured: dict[str, Measured]) -> str:
     """The table: each system's median step (rank 0's, over every repeat) and its ratios to its
-    peers, each followed by the lowest and highest of the same ratio repeat by repeat (a repeat
-    runs every system back to back, so a ratio's spread over repeats is the noise it carries);
-    then rank 0's median minor page faults a step."""
+    peers: the median over repeats of the ratio repeat by repeat, then its lowest and highest (a
+    repeat runs every system back to back, so a ratio's spread over repeats is the noise it
+    carries; the ratio of the two overall medians pairs steps of different repeats and can fall
+    outside that spread); then rank 0's median minor page faults a step."""
     med = {n: statistics.median(m.times) for n, m in measured.items()}
 
     def ratio(name: str, peer: str | None) -> str:
@@ -202,7 +203,7 @@ def report(measured: dict[str, Measured]) -> str:
             return "-"
         per_repeat = [a / b for a, b in zip(measured[name].round_medians, measured[peer].round_medians)]
         spread = f" ({min(per_repeat):.3f}-{max(per_repeat):.3f})" if name != peer else ""
-        return f"{med[name] / med[peer]:.3f}{spread}"
+        return f"{statistics.median(per_repeat):.3f}{spread}"
     lines = ["| system | median step (ms) | vs DDP (repeats) | vs DeepSpeed same stage (repeats) "
              "| vs FSDP2 (repeats) | minor faults a step |",
              "|---|---:|---:|---:|---:|---:|"]
