@@ -119,9 +119,15 @@ class Candidate:
 
     @property
     def peak(self) -> float:
-        """What must fit: the reserved peak (module docstring, 3.), or the tensor peak when unconfirmed."""
-        if self.replayed is not None:
-            return self.replayed["reserved_peak_bytes"]
+        """What must fit: the reserved peak (module docstring, 3.), or the tensor peak when unconfirmed.
+        A replay that ran out of memory stopped at the device, short of what the run needs: that is
+        its replay on an unbounded device (run/reserved.py), over the limit as the replay decided
+        (else a row would not fit with headroom left, reserving less than its tensors)."""
+        replayed = self.replayed
+        if replayed is not None and replayed["oom"]:
+            return max(self.reserved["unbounded"]["reserved_peak_bytes"], self.tensor_peak, self.limit + 1)
+        if replayed is not None:
+            return replayed["reserved_peak_bytes"]
         return self.tensor_peak * (self.reserve_factor or 1.0)
 
     @property

@@ -135,6 +135,23 @@ def test_rows_not_replayed_fit_on_their_tensor_peak_times_the_plans_largest_rese
     assert plan.reserve_factor(candidates) == 1.0
 
 
+def test_a_row_whose_replay_ran_out_of_memory_shows_what_it_needs_over_the_limit():
+    """A replay that ran out of memory stops at the device, reserving less than the limit and less
+    than its tensors: the row shows its unbounded replay's reserve (the gpt_7b V100 plan's rows 236
+    and 237 read fits False with 0.12 GB headroom, and a peak above their reserve)."""
+    c = _priced("micro_batches=[1]", "stages=[2]", "recompute=[true]", "tps=[1]")[0]
+    c.simulated_peak = c.analytic_peak
+    c.limit = c.simulated_peak * 1.02
+    c.reserved = {"reserved_peak_bytes": c.simulated_peak * 0.99, "oom": True, "conf": "", "fragmentation": 0.1,
+                  "unbounded": {"reserved_peak_bytes": c.simulated_peak * 1.1},
+                  "expandable": {"reserved_peak_bytes": c.limit, "oom": True, "conf": "expandable_segments:True"}}
+    [row] = plan.rows([c], base_model="tiny_s")
+    assert row["fits"] is False and row["reserved_source"] == "replayed"
+    assert c.peak == pytest.approx(c.simulated_peak * 1.1)   # headroom_gb < 0, reserved_gb >= peak_gb
+    c.reserved["unbounded"]["reserved_peak_bytes"] = c.simulated_peak * 0.99  # never below the limit it ran out at
+    assert c.peak > c.limit and not c.fits
+
+
 def test_confirmation_simulates_the_fastest_worth_it_until_enough_fit(tmp_path, monkeypatch):
     candidates = _priced("micro_batches=[1,2,4,8]")
     limit = sorted(c.analytic_peak for c in candidates)[len(candidates) // 2]
