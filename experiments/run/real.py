@@ -75,10 +75,14 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     losses, times, activation_bytes = [], [], 0
     start, saved, resumed_from = 0, None, None
     root = Path(t["checkpoint_dir"]) if t["checkpoint_dir"] else None
-    if t["resume"] and root is not None and zero_impl.checkpoint.latest(root) is not None:
-        saved = resumed_from = str(zero_impl.checkpoint.latest(root))
-        progress = zero_impl.checkpoint.load(engine, saved)
-        start, losses, times = progress["step"], progress["losses"], progress["step_times_s"]
+    if t["resume"] and root is not None:
+        latest = zero_impl.checkpoint.latest(root)
+        if dist.get_rank() == 0:
+            print(_resume_line(root, latest), flush=True)
+        if latest is not None:
+            saved = resumed_from = str(latest)
+            progress = zero_impl.checkpoint.load(engine, saved)
+            start, losses, times = progress["step"], progress["losses"], progress["step_times_s"]
     stop_file = os.environ.get("ZERO_REPRO_STOP_FILE")
     if on_step is not None:
         on_step(start, saved)
@@ -138,6 +142,16 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats,
             "freed_memory_kept": freed_memory_kept(),  # then peak_rss holds freed memory kept for reuse too
             "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from}}
+
+
+def _resume_line(root: Path, latest: Path | None) -> str:
+    """What train.resume starts from, in one line: the newest complete checkpoint and the
+    unfinished saves after it that it passes over (a save killed or failed midway)."""
+    skipped = zero_impl.checkpoint.unfinished(root)
+    passed = f"; passing over the unfinished save(s) {', '.join(p.name for p in skipped)}" if skipped else ""
+    if latest is None:
+        return f"train.resume: no complete checkpoint in {root}{passed}; starting at step 0"
+    return f"train.resume: from {latest}, the newest complete checkpoint in {root}{passed}"
 
 
 # Timed steps between looks for the stop file (slurm/launch.sh): each look reads a flag all ranks

@@ -17,10 +17,11 @@ def _point(compose, tmp_path, *overrides):
     return point
 
 
-def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monkeypatch):
+def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monkeypatch, capfd):
     """train.checkpoint_every saves; the stop file (Slurm's warning, slurm/launch.sh) makes the
     ranks save and raise Preempted after the step in flight; train.resume continues from the
-    latest checkpoint, losses and step times included, to the uninterrupted run's losses."""
+    latest complete checkpoint, losses and step times included, to the uninterrupted run's
+    losses, and says which, passing over a later save that was cut off (no manifest)."""
     from experiments.launch import RankFailed
     from experiments.run.real import train_rank, with_checkpoint_dir
     straight = _point(compose, tmp_path, "train.checkpoint_every=2")
@@ -34,10 +35,16 @@ def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monk
         spawn(train_rank, 2, with_checkpoint_dir(stopped, tmp_path), "fp32", timeout=120)
     assert checkpoint.latest(tmp_path / "interrupted") == tmp_path / "interrupted" / "step_1"
     monkeypatch.delenv("ZERO_REPRO_STOP_FILE")
+    cut_off = tmp_path / "interrupted" / "step_3.tmp"  # a later save killed midway (tests/zero_impl/test_checkpoint.py)
+    cut_off.mkdir()
+    (cut_off / "__0_0.distcp").write_bytes(b"\0" * 100)
+    capfd.readouterr()
     resumed = _point(compose, tmp_path, f"train.checkpoint_dir={tmp_path}/interrupted", "train.resume=true")
     assert resumed.point_id == straight.point_id  # checkpoint settings leave the point's id alone
     again = spawn(train_rank, 2, with_checkpoint_dir(resumed, tmp_path), "fp32", timeout=120)[0]
     assert again["losses"] == done["losses"] and len(again["step_times_s"]) == 4
+    assert f"train.resume: from {tmp_path}/interrupted/step_1, the newest complete checkpoint in {tmp_path}/interrupted; " \
+           "passing over the unfinished save(s) step_3.tmp\n" in capfd.readouterr().out
     assert again["resume"] == {"last_step": 5, "checkpoint": str(tmp_path / "interrupted" / "step_1"),
                                "resumed_from": str(tmp_path / "interrupted" / "step_1")}
 

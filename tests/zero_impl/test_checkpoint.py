@@ -5,6 +5,8 @@ bare model; the wrapped model's own state_dict() never silently misleads.
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -218,24 +220,92 @@ def test_another_model_shape_is_refused_naming_the_parameter(tmp_path):
         checkpoint.load(deeper, tmp_path / "step_0")
 
 
-def _save_with_a_dying_rank(root: str) -> None:
+def _save_with_a_full_disk(root: str) -> None:
     engine = build(stage=2)
     train(engine, 0, 1)
     checkpoint.save(engine, f"{root}/step_1")
     train(engine, 1, 2)
-    if dist.get_rank() == 1:  # rank 1's disk fails in the middle of the next save
-        dcp.FileSystemWriter.write_data = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
+    if dist.get_rank() == 1:  # rank 1's disk fills up in the middle of the next save
+        dcp.FileSystemWriter.write_data = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
     checkpoint.save(engine, f"{root}/step_2")
 
 
-def test_a_partially_written_checkpoint_is_never_the_latest(tmp_path):
-    with pytest.raises(Exception, match="disk full"):
-        spawn(_save_with_a_dying_rank, 2, str(tmp_path), timeout=120)
-    assert (tmp_path / "step_2.tmp").is_dir() and not (tmp_path / "step_2").exists()
-    (tmp_path / "step_9").mkdir()  # a folder without DCP's .metadata
+def test_a_save_on_a_full_disk_is_never_the_latest(tmp_path):
+    """The failure is one line on every rank, naming the checkpoint, the rank and its error;
+    nothing of the failed save is left, and the newest complete checkpoint stays the latest."""
+    with pytest.raises(Exception, match=r"checkpoint \S+step_2 was not saved: rank\(s\) \[1\] failed to write it, "
+                                        r"rank 1: OSError: \[Errno 28\] No space left on device"):
+        spawn(_save_with_a_full_disk, 2, str(tmp_path), timeout=120)
+    assert not (tmp_path / "step_2.tmp").exists() and not (tmp_path / "step_2").exists()
+    (tmp_path / "step_9").mkdir()  # a folder without a manifest
     assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         checkpoint.load(build(stage=2), tmp_path / "step_9")
+
+
+def _save_killed_between_shards(root: str) -> dict:
+    engine = build(stage=2)
+    train(engine, 0, 1)
+    checkpoint.save(engine, f"{root}/step_1")
+    saved = engine.full_parameters()
+    train(engine, 1, 2)
+    if dist.get_rank() == 1:  # rank 0 writes its shard; rank 1 is killed half-way through its own
+        def killed(writer, plan, planner):
+            with open(Path(writer.path) / "__1_0.distcp", "wb") as f:
+                f.write(b"\0" * 100)
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        dcp.FileSystemWriter.write_data = killed
+    checkpoint.save(engine, f"{root}/step_2")
+    return saved
+
+
+def _load_latest(root: str) -> dict:
+    engine = build(stage=2)
+    checkpoint.load(engine, checkpoint.latest(root))
+    return engine.full_parameters()
+
+
+def test_a_save_killed_midway_is_never_the_latest(tmp_path):
+    """A rank SIGKILLed between the shards of a save (rank 0's written, rank 1's half): the
+    folder stays step_2.tmp without a manifest, the previous checkpoint stays the latest, the
+    unfinished save is what a resume passes over, and the latest loads (at another world size)
+    to exactly the parameters it was saved with."""
+    from experiments.launch import RankFailed
+    with pytest.raises(RankFailed):  # rank 1's death, or rank 0's error at losing its peer, whichever is seen first
+        spawn(_save_killed_between_shards, 2, str(tmp_path), timeout=120)
+    assert (tmp_path / "step_2.tmp" / "__1_0.distcp").stat().st_size == 100 and not (tmp_path / "step_2").exists()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
+    assert checkpoint.unfinished(tmp_path) == [tmp_path / "step_2.tmp"]
+    [loaded] = spawn(_load_latest, 1, str(tmp_path), timeout=120)
+    [saved, _] = spawn(_parameters_at_step_1, 2, str(tmp_path), timeout=120)
+    assert max_abs_diff(loaded, saved) == 0.0
+
+
+def _parameters_at_step_1(root: str) -> dict:
+    engine = build(stage=2)
+    train(engine, 0, 1)
+    return engine.full_parameters()
+
+
+def test_a_truncated_or_corrupt_shard_is_refused_by_name(tmp_path):
+    """Each file is checked against the save's manifest (size and CRC-32) before anything is
+    read: a shard cut short or with one byte changed is refused, the file named."""
+    engine = build(stage=2)  # a world of one: no torch.distributed needed
+    checkpoint.save(engine, tmp_path / "step_1")
+    shard = tmp_path / "step_1" / "__0_0.distcp"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=rf"file {shard} is truncated: {len(whole) // 2} bytes, the save wrote {len(whole)}"):
+        checkpoint.load(build(stage=2), tmp_path / "step_1")
+    changed = bytearray(whole)
+    changed[len(whole) // 2] ^= 0x01
+    shard.write_bytes(bytes(changed))
+    with pytest.raises(ValueError, match=rf"file {shard} is corrupt: CRC-32"):
+        checkpoint.load(build(stage=2), tmp_path / "step_1")
+    shard.write_bytes(whole)
+    checkpoint.load(build(stage=2), tmp_path / "step_1")
 
 
 # -- the state dict API and the wrapped model's own ------------------------------------------------

@@ -9,6 +9,7 @@ As torch.distributed.checkpoint separates its state dicts from its saver and loa
 state_dict.py maps a live engine to its DCP state dict and back (engine.state_dict() and
 load_state_dict()); files.py puts that state dict on disk and reads it back.
 """
-from .files import export, latest, load, save
+from .files import export, latest, load, save, unfinished
+from .manifest import verify
 
-__all__ = ["save", "load", "latest", "export"]
+__all__ = ["save", "load", "latest", "unfinished", "verify", "export"]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import manifest
 from .state_dict import check, load_state_dict, pack, rank, state_dict, unpack
 
 # torch.distributed.checkpoint is imported where it is used: it takes a second to import, and
@@ -20,10 +21,14 @@ from .state_dict import check, load_state_dict, pack, rank, state_dict, unpack
 
 
 def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None) -> Path:
-    """Every rank writes its shards to `path` in parallel. They go to `path`.tmp first; rank 0
-    renames it to `path` once every rank has finished, so a save that dies half-way never looks
-    like a checkpoint. `extra`: any picklable object stored beside (load() returns it)."""
+    """Every rank writes its shards to `path` in parallel. They go to `path`.tmp first, then the
+    manifest (manifest.py) once every rank's files are on disk; rank 0 renames the folder to
+    `path` after that, so a save that dies half-way (a rank killed, a full disk) never looks like
+    a checkpoint. A save that fails with an error raises on every rank, naming the ranks and
+    their first error, and rank 0 removes what it wrote. `extra`: any picklable object stored
+    beside (load() returns it)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     path, first = Path(path), rank(process_group) == 0
     tmp = path.with_name(path.name + ".tmp")
     sd = engine.state_dict()
@@ -33,8 +38,18 @@ def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(process_group)
-    _quiet(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group)
-    if first:  # DCP's last collective ran after every rank's files were written and synced
+    try:
+        metadata = _quiet(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group)
+    except CheckpointException as e:  # DCP hands every rank's failures to every rank
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+        failed = sorted(e.failures)
+        error = e.failures[failed[0]][0]
+        raise OSError(f"checkpoint {path} was not saved: rank(s) {failed} failed to write it, rank {failed[0]}: "
+                      f"{type(error).__name__}: {error}; the newest complete checkpoint beside it is unchanged") from None
+    manifest.write(tmp, metadata, process_group)
+    _barrier(process_group)  # the manifest is on disk before the folder gets its final name
+    if first:
         old = path.with_name(path.name + ".old")
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -53,8 +68,7 @@ def load(engine, path: str | os.PathLike, process_group=None) -> Any:
     TP degree) into `engine`, on every rank; returns save()'s `extra`."""
     import torch.distributed.checkpoint as dcp
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata): a save that did not finish?")
+    manifest.verify(path, process_group)  # every file as the save wrote it, or refused by name
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     head = {k: None for k in ("engine", "extra") if k in keys}
     _quiet(dcp.load, head, checkpoint_id=path, process_group=process_group)
@@ -70,10 +84,35 @@ def load(engine, path: str | os.PathLike, process_group=None) -> Any:
 
 def latest(root: str | os.PathLike) -> Path | None:
     """The complete checkpoint root/step_<N> with the largest N, or None. Unfinished saves
-    (step_<N>.tmp) and folders without DCP's .metadata are never picked."""
-    found = [(int(m.group(1)), p) for p in Path(root).glob("step_*")
-             if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / ".metadata").is_file()]
+    (step_<N>.tmp, folders without a manifest) are never picked. A step_<N>.old counts for
+    step_<N> while that is missing: save() moves a checkpoint it replaces aside there for an
+    instant, and a kill in that instant leaves it so."""
+    found = _steps(root)
     return max(found)[1] if found else None
+
+
+def unfinished(root: str | os.PathLike) -> list[Path]:
+    """Folders under `root` newer than latest(root) that a save left unfinished (step_<N>.tmp,
+    or step_<N> without a manifest), oldest first: what a resume passes over."""
+    done = latest(root)
+    newest = _step_of(done) if done is not None else -1
+    return sorted((p for p in Path(root).glob("step_*") if _step_of(p) is not None and _step_of(p) > newest
+                   and not manifest.is_complete(p)), key=_step_of)
+
+
+def _steps(root) -> list[tuple[int, Path]]:
+    """(N, folder) of every complete checkpoint: step_<N>, else step_<N>.old."""
+    complete = {}
+    for p in sorted(Path(root).glob("step_*"), key=lambda p: p.name.endswith(".old")):
+        m = re.fullmatch(r"step_(\d+)(\.old)?", p.name)
+        if m and manifest.is_complete(p):
+            complete.setdefault(int(m.group(1)), p)
+    return list(complete.items())
+
+
+def _step_of(p: Path) -> int | None:
+    m = re.fullmatch(r"step_(\d+)(\.tmp|\.old)?", p.name)
+    return int(m.group(1)) if m else None
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
@@ -102,8 +141,8 @@ def _barrier(group=None) -> None:
         dist.barrier(group)
 
 
-def _quiet(fn, *args, **kwargs) -> None:
+def _quiet(fn, *args, **kwargs) -> Any:
     """DCP warns that it runs in one process when torch.distributed is not initialized: intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        fn(*args, **kwargs)
+        return fn(*args, **kwargs)

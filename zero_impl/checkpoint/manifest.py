@@ -1,0 +1,103 @@
+"""A checkpoint's manifest: every file of a finished save, with its size and CRC-32.
+
+DCP writes its shards and `.metadata` but keeps no checksum, so a shard truncated or altered
+after the save (a disk that lost writes, a copy cut short) would be read back as if whole, or
+fail inside an unpickler without naming the file. save() writes `manifest.json` last, after
+every rank's files are on disk: a folder without one never finished. load() checks every file
+against it first and refuses the first that differs, by name. The hashing is split over the
+ranks (rank r takes every N-th file), so each byte is read once more per save and per load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .state_dict import rank
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_CHUNK = 1 << 24  # bytes hashed at a time
+
+
+def write(path: Path, metadata, process_group=None) -> None:
+    """After DCP's save into `path` returned `metadata` (every rank's files written and synced),
+    on every rank: hash this rank's share of the files the metadata names (not a listing of the
+    folder, which a shared file system may show late), and on the group's first rank write the
+    manifest, synced."""
+    files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
+    mine = {name: _describe(path / name) for name in _share(files, process_group)}
+    everyone = _gather(mine, process_group)
+    if rank(process_group) == 0:
+        entries = {name: entry for part in everyone for name, entry in part.items()}
+        body = json.dumps({"format": FORMAT, "files": dict(sorted(entries.items()))}, indent=1)
+        fd = os.open(path / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, body.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def is_complete(path: Path) -> bool:
+    """Whether a save into `path` finished (its manifest exists); the files are not read."""
+    return (path / MANIFEST).is_file()
+
+
+def verify(path: Path, process_group=None) -> None:
+    """Check every file of the checkpoint at `path` against its manifest (on every rank, each
+    hashing its share); raise ValueError on every rank naming the first file that is missing,
+    truncated, longer or altered."""
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}): a save that did not finish?")
+    listed = json.loads((path / MANIFEST).read_text())["files"]
+    names = sorted(listed)
+    problems = {name: why for name in _share(names, process_group)
+                if (why := _differs(path / name, listed[name])) is not None}
+    found = {k: v for part in _gather(problems, process_group) for k, v in part.items()}
+    if found:
+        first = min(found)
+        raise ValueError(f"checkpoint {path}: file {path / first} {found[first]}; the checkpoint is refused")
+
+
+def _differs(file: Path, expected: dict) -> str | None:
+    """Why `file` is not what the save wrote, or None."""
+    if not file.is_file():
+        return "is missing"
+    size = file.stat().st_size
+    if size != expected["bytes"]:
+        return f"{'is truncated' if size < expected['bytes'] else 'is longer than written'}: {size} bytes, " \
+               f"the save wrote {expected['bytes']}"
+    crc = _describe(file)["crc32"]
+    if crc != expected["crc32"]:
+        return f"is corrupt: CRC-32 {crc:08x}, the save wrote {expected['crc32']:08x}"
+    return None
+
+
+def _describe(file: Path) -> dict:
+    crc, size = 0, 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": crc}
+
+
+def _share(names: list[str], process_group) -> list[str]:
+    return names[rank(process_group)::_size(process_group)]
+
+
+def _gather(obj, process_group) -> list:
+    """Every rank's `obj` (a small dict), in rank order. CPU tensors carry it on gloo; on NCCL
+    the current CUDA device must be this rank's (as for DCP's own object collectives)."""
+    if _size(process_group) == 1:
+        return [obj]
+    out: list = [None] * _size(process_group)
+    dist.all_gather_object(out, obj, group=process_group)
+    return out
+
+
+def _size(process_group) -> int:
+    return dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
