@@ -76,6 +76,25 @@ def load_model(name: str) -> dict:
     return OmegaConf.to_container(merged)
 
 
+SHAPE_KEYS = ("layers", "hidden", "heads", "seq_len", "vocab_size")
+
+
+def shaped_model(model: dict) -> dict:
+    """A model config whose shape the command line changed, named for it: gpt_7b with
+    model.layers=40 is `gpt_7b@layers40` (its config's name, then each shape key off the config's),
+    so a plan's header and the records never call another shape by a config's name; the config's
+    `label` (the paper's printed size) no longer applies. A name no config has is the user's own
+    and stays, so a printed `model.name=gpt_7b@layers40` reads back as the same model."""
+    name = model["name"]
+    if name not in available_models():
+        return model
+    base = load_model(name)
+    changed = [key for key in SHAPE_KEYS if model[key] != base[key]]
+    if not changed:
+        return model
+    return dict(model, name=name + "@" + "-".join(f"{key}{model[key]}" for key in changed), label="")
+
+
 @dataclass
 class Point:
     """One benchmark point, fully resolved: everything train.py needs."""
@@ -140,7 +159,7 @@ def _as_list(value: Any) -> list:
 def expand(cfg: DictConfig) -> list[Point]:
     """The sweep's points, in order, duplicates removed. Raises ConfigError on bad input."""
     exp = cfg.experiment
-    chosen_model = OmegaConf.to_container(cfg.model) if cfg.get("model") is not None else None
+    chosen_model = shaped_model(OmegaConf.to_container(cfg.model)) if cfg.get("model") is not None else None
     overrides = {axis: _as_list(cfg[axis]) for axis in AXES if axis != "model"}
     overrides["model"] = [chosen_model["name"]] if chosen_model else []
     for axis in AXES[1:]:

@@ -14,7 +14,8 @@ from tqdm import tqdm
 import zero_impl
 from experiments import records
 from experiments.launch import spawn
-from experiments.points import ConfigError, Point, check_host_memory, check_runnable_here, resolve_precision
+from experiments.points import (ConfigError, Point, available_models, check_host_memory, check_runnable_here,
+                                resolve_precision)
 from experiments.run.real import checkpoint_root, train_rank, with_checkpoint_dir
 from experiments.run.record import build_record, classify_failure
 from experiments.sweeps.summary import folder_summary_rows, print_summary, summary_rows, write_summary_csv
@@ -79,7 +80,11 @@ def run_point(point: Point, launcher: str, results_dir: Path) -> dict:
 
 def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -> dict:
     overrides = [f"{axis}={getattr(point, axis)}" for axis in ("stage", "gpus", "tp", "micro_batch")]
-    overrides += [f"model={point.model['name']}", f"experiment_name={point.experiment}", f"results_dir={path.parent.parent}",
+    # the base config matters not (every model.* key follows), only that it exists: a shaped
+    # model (points.shaped_model) or the user's own name has none of its name
+    base = point.model["name"].split("@")[0]
+    overrides += [f"model={base if base in available_models() else available_models()[0]}",
+                  f"experiment_name={point.experiment}", f"results_dir={path.parent.parent}",
                   "ignore_host_memory=true"]  # the sweep has checked the point's memory
     overrides += [f"model.{k}={_override_value(v)}" for k, v in point.model.items()]
     overrides += [f"cluster.{k}={_override_value(v)}" for k, v in point.cluster.items()]

@@ -54,8 +54,8 @@ from experiments.models.gpt_shape import parameter_count
 from experiments.analysis.hardware import load_cluster
 from experiments.commands import python_command, train_command
 from experiments.launch import default_workers
-from experiments.points import (CONF_DIR, ConfigError, Point, available_models, expand, load_model, predicted_memory_bytes,
-                                simulated_precision)
+from experiments.points import (CONF_DIR, SHAPE_KEYS, ConfigError, Point, available_models, expand, load_model,
+                                predicted_memory_bytes, shaped_model, simulated_precision)
 from experiments.run.record import verdict
 from experiments.schema import ClusterConfig, ModelConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
 from zero_impl import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
@@ -409,6 +409,8 @@ def overrides(c: Candidate, base_model: str | None = None) -> str:
     p = c.point
     base = _base_model(p, base_model)
     model, train, zero, cluster = _defaults(p, base)
+    shaped = shaped_model({**model, **{k: p.model[k] for k in SHAPE_KEYS}})  # train.py names the point's shape so
+    model = dict(model, name=shaped["name"], label=shaped["label"])
     deepspeed = _deepspeed(c.deepspeed_config)
     json_train = set() if deepspeed is None else {"precision", *(("lr", "weight_decay", "adam_betas", "adam_eps")
                                                                 if deepspeed.optimizer else ())}
@@ -573,8 +575,7 @@ def plan_name(cfg: DictConfig, cluster_name: str, base_model: str | None) -> str
     model = OmegaConf.to_container(cfg.model)
     parts = [model["name"]]
     base = load_model(base_model) if base_model in available_models() else None
-    shape_keys = ("layers", "hidden", "heads", "seq_len", "vocab_size")
-    if base is None or any(model[k] != base[k] for k in shape_keys):
+    if base is None or any(model[k] != base[k] for k in SHAPE_KEYS):
         # the vocabulary only when off the base's (the schema's without one): shapes named before keep their names
         vocab = model["vocab_size"] != (base or {}).get("vocab_size", ModelConfig.vocab_size)
         parts.append(f"l{model['layers']}-h{model['hidden']}-a{model['heads']}-s{model['seq_len']}"
@@ -616,7 +617,7 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
         c.deepspeed_config = cfg.deepspeed_config
     cluster = candidates[0].point.cluster
     folder = results_dir / "plan" / (cfg.name or plan_name(cfg, cluster["name"], base_model))
-    print(f"plan: {len(candidates)} configurations of {cfg.model.name} on {cfg.gpus} GPUs of {cluster['name']} "
+    print(f"plan: {len(candidates)} configurations of {candidates[0].point.model['name']} on {cfg.gpus} GPUs of {cluster['name']} "
           f"({cluster['device_memory_gb']:g} GB, {cluster['cuda_reserve_gb']:g} GB reserved); "
           f"{sum(c.worth_simulating for c in candidates)} within {ANALYTIC_MARGIN:.0%} of the limit analytically",
           file=sys.stderr)
@@ -633,7 +634,7 @@ def run_plan(cfg: DictConfig, results_dir: Path, base_model: str | None = None) 
     hw = cluster_hardware(cluster)
     speed = (f"speed predicted for system {cfg.system} on {hw.name} (analysis/step_time.py)" if hw else
              f"cluster {cluster['name']} has no step-time profile: speed not predicted, rows ordered by memory")
-    header = (f"**Plan: {cfg.model.name} ({params / 1e9:.2f}B parameters) on {cfg.gpus} GPUs of {cluster['name']}**\n\n"
+    header = (f"**Plan: {candidates[0].point.model['name']} ({params / 1e9:.2f}B parameters) on {cfg.gpus} GPUs of {cluster['name']}**\n\n"
               f"{len(candidates)} configurations; limit {candidates[0].limit / 1e9:.2f} GB per GPU for what the caching allocator reserves "
               f"({cluster['device_memory_gb']:g} GB less {cluster['cuda_reserve_gb']:g} GB CUDA reserve); "
               f"{ran + reused} simulated at full world size"

@@ -222,6 +222,25 @@ def test_each_rows_command_is_the_plans_point(extra):
     assert rows[0]["sbatch"] == f"sbatch --nodes=2 --gpus-per-node=16 slurm/run_point.sh {rows[0]['overrides']}"
 
 
+def test_a_model_config_with_another_shape_is_named_for_it(tmp_path, monkeypatch):
+    """plan.py model.layers=40 model.hidden=5120 model.heads=40 (over gpt_7b) is not gpt_7b: the
+    header, the records' model and point ids name the shape, and the printed command, which
+    gives the shape alone, reads back as the same point."""
+    monkeypatch.setattr(plan, "confirm", lambda *args, **kwargs: 0)   # nothing simulated: the header is the test
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="plan", overrides=["model.layers=40", "model.hidden=5120", "model.heads=40",
+                                                     "cluster=dgx_h100", "gpus=8", "micro_batches=[1]", "stages=[2]"])
+    rows, text = plan.run_plan(cfg, tmp_path, base_model="gpt_7b")
+    name = "gpt_7b@layers40-hidden5120-heads40"
+    assert text.startswith(f"**Plan: {name} (") and "Plan: gpt_7b " not in text
+    assert all(r["point_id"].startswith(name + "-") for r in rows)
+    assert "model.name" not in rows[0]["overrides"] and "model.layers=40" in rows[0]["overrides"]
+    point = _train_point(rows[0]["overrides"])
+    assert point.point_id == rows[0]["point_id"] and point.model["name"] == name and point.model["label"] == ""
+
+
 @pytest.mark.parametrize("value", ["true", "1e5", "null", "a\\b", "it's", "x y $HOME `id`", "ends\\", "a\\'b",
                                    "plain-name/x.y"])
 def test_a_printed_string_reads_back_as_the_same_string(value):
