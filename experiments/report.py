@@ -6,7 +6,9 @@
 Writes Markdown, CSV and LaTeX tables and PNG + SVG figures under `out_dir` (results/reports/),
 or its subfolder named after the experiment when one is given, so a one-experiment report never
 replaces the full set (regenerated, never edited by hand): Table 1 and Table 2 from the memory model beside the paper's cells, a
-Table-5-style throughput table, memory and communication tables, and five figures. With this
+Table-5-style throughput table, memory and communication tables, and the figures. An
+experiment's folder holds its records' tables and figures and the paper artefacts the experiment
+names (experiment=table1: Table 1; table2: Table 2; fig2: Figure 2's predicted points). With this
 machine's calibrated profile (`make calibrate`) it also checks the step-time model against the
 measured CPU records (prediction_check; reports/prediction_check.py), or says how to make one.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -32,10 +35,15 @@ from experiments.points import ConfigError
 from experiments.records import REPO, load_records
 
 
+def table1_tables() -> dict[str, pd.DataFrame]:
+    """The paper's Table 1 from the memory model, long and as the paper lays it out."""
+    t1 = tables.table1()
+    return {"table1": t1, "table1_wide": tables.table1_wide(t1)}
+
+
 def model_tables() -> dict[str, pd.DataFrame]:
     """The tables no record changes: Table 1's formula and the step-time model's checks."""
-    t1 = tables.table1()
-    return {"table1": t1, "table1_wide": tables.table1_wide(t1), "targets": tables.targets(),
+    return {**table1_tables(), "targets": tables.targets(),
             "sensitivity": tables.sensitivity(), "measured_steps": tables.measured_steps(),
             "gemm_check": gemm_check.gemm_check_table(), "gemm_check_summary": gemm_check.gemm_check_summary(),
             "gemm_ceiling": gemm_check.gemm_ceiling_table(),
@@ -47,8 +55,8 @@ def model_tables() -> dict[str, pd.DataFrame]:
 
 
 def record_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
-    """The tables of these records (an experiment's folder holds those with rows)."""
-    built = {"table2": tables.table2(records), "throughput": tables.throughput_table(records),
+    """The tables of these records, one row or more per record (an experiment's folder holds those with rows)."""
+    built = {"throughput": tables.throughput_table(records),
              "memory": tables.memory_table(records), "communication": tables.comm_table(records),
              "simulation": tables.simulation_table(records), "largest": tables.largest_table(records)}
     if zero_r.fig7_records(records):  # Figure 7's tables where its points were simulated
@@ -58,14 +66,37 @@ def record_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
 
 
 def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
-    """Every table of the whole record set's report: the model's, the records', every paper point's
-    prediction and claim (with ours where records hold it), and the README's scorecard, which reads them."""
-    return {**model_tables(), **record_tables(records), "throughput_predicted": tables.throughput_predicted(records),
+    """Every table of the whole record set's report: the model's, the records', Table 2, every
+    paper point's prediction and claim (with ours where records hold it), and the README's
+    scorecard, which reads them."""
+    return {**model_tables(), **record_tables(records), "table2": tables.table2(records),
+            "throughput_predicted": tables.throughput_predicted(records),
             "paper_claims": tables.paper_claims(records), "scorecard": scorecard.scorecard(records)}
 
 
-# The model's predictions of the paper's points: the whole set's report draws them, not an experiment's folder.
-PREDICTED_FIGURES = ("fig2_predicted", "fig3_predicted", "fig4_predicted", "fig8_predicted")
+def _predicted(figure: str) -> Callable[[list[dict]], dict[str, pd.DataFrame]]:
+    def build(records: list[dict]) -> dict[str, pd.DataFrame]:
+        every = tables.throughput_predicted(records)
+        return {"throughput_predicted": every[every.figure == figure].reset_index(drop=True)}
+    return build
+
+
+# The paper artefacts each experiment names (conf/experiment/<name>.yaml, `paper` and
+# `description`), which its folder holds beside its records' tables: Table 1 from the memory
+# model, Table 2 with its searches, and a figure's points as the step-time model predicts them.
+ARTEFACT_TABLES: dict[str, Callable[[list[dict]], dict[str, pd.DataFrame]]] = {
+    "table1": lambda records: table1_tables(), "table2": lambda records: {"table2": tables.table2(records)},
+    **{figure: _predicted(figure) for figure in ("fig2", "fig3", "fig4", "fig8")}}
+# The model's predicted figures: the whole set's report draws them all, an experiment's folder its own.
+PREDICTED_FIGURES = {"fig2_predicted": "fig2", "fig3_predicted": "fig3", "fig4_predicted": "fig4",
+                     "fig8_predicted": "fig8"}
+
+
+def experiment_tables(records: list[dict], experiment: str) -> dict[str, pd.DataFrame]:
+    """One experiment's folder: its records' tables that have rows, and the paper artefacts the
+    experiment names (ARTEFACT_TABLES)."""
+    built = {name: df for name, df in record_tables(records).items() if len(df)}
+    return {**built, **ARTEFACT_TABLES.get(experiment, lambda r: {})(records)}
 
 
 def to_markdown(df: pd.DataFrame) -> str:
@@ -114,22 +145,19 @@ def write_tables(tables: dict[str, pd.DataFrame], out_dir: Path) -> list[Path]:
     return written
 
 
-def write_reports(records: list[dict], out_dir: Path, only_filled: bool = False) -> list[Path]:
-    """Every table (.md, .csv, .tex) and figure (.png, .svg); returns the files written. With
-    `only_filled` (one experiment's folder), only what its records fill: their tables with rows and
-    figures without an empty panel (the model's tables and figures, the claims and the scorecard
-    are the whole set's report's)."""
+def write_reports(records: list[dict], out_dir: Path, experiment: str | None = None) -> list[Path]:
+    """Every table (.md, .csv, .tex) and figure (.png, .svg); returns the files written. For one
+    `experiment`'s folder, what its records fill (their tables with rows, figures without an
+    empty panel) and the paper artefacts it names, its own predicted figure among them (the
+    model's other tables and figures, the claims and the scorecard are the whole set's report's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if only_filled:
-        built = {name: df for name, df in record_tables(records).items() if len(df)}
-    else:
-        built = build_tables(records)
+    built = build_tables(records) if experiment is None else experiment_tables(records, experiment)
     written = write_tables(built, out_dir)
     for name, draw in figures.FIGURES.items():
-        if only_filled and name in PREDICTED_FIGURES:
+        if experiment is not None and PREDICTED_FIGURES.get(name, experiment) != experiment:
             continue
         fig = draw(records)
-        if only_filled and figures.has_empty_panel(fig):
+        if experiment is not None and name not in PREDICTED_FIGURES and figures.has_empty_panel(fig):
             plt.close(fig)
             continue
         for suffix in (".png", ".svg"):  # no date in the files: regenerated reports diff cleanly
@@ -156,7 +184,7 @@ def main(cfg: DictConfig) -> None:
     results, experiment = _records_dir(cfg)
     records = load_records(results, experiment)
     out_dir = Path(cfg.out_dir) / experiment if experiment else Path(cfg.out_dir)
-    written = write_reports(records, out_dir, only_filled=experiment is not None)
+    written = write_reports(records, out_dir, experiment)
     if not results.resolve().is_relative_to(REPO / "results" / "reference"):  # committed reports hold no host's check
         check, line = prediction_check.from_default_profile(records)
         if check is not None:  # this host's check: on its own line, apart from the host-independent files

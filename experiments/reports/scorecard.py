@@ -16,6 +16,7 @@ import re
 
 import pandas as pd
 
+from experiments.analysis.systems import SYSTEMS
 from experiments.commands import script_command
 from experiments.reports import gemm_check, predictions, tables, validation, zero_r
 
@@ -32,6 +33,12 @@ def not_simulated(experiment: str, searched: bool = False) -> str:
                            + (" simulate_largest=true" if searched else ""))
     return f"not in this set: {sweep}, then {script_command('experiments/report.py')}"
 COLUMNS = ("artefact", "paper", "ours", "how", "details")
+
+
+def predicted_by(system: str) -> str:
+    """The `how` of a prediction of one system's step (analysis/systems.py): throughput.md's
+    predictions of the records are this engine's schedule, these the paper's systems'."""
+    return f"{HOW['predicted']}: {SYSTEMS[system].label}"
 
 
 def _paper_billions(printed: str) -> str:
@@ -51,9 +58,10 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
     simulated = tables.simulation_table(records)
     rows: list[tuple[str, str, str, str, str]] = []
 
-    def claim(artefact: str, cid: str, ours: str | None = None, paper: str = "{}") -> None:
+    def claim(artefact: str, cid: str, ours: str | None = None, paper: str = "{}", system: str | None = None) -> None:
         c = claims.loc[cid]
-        rows.append((artefact, paper.format(c.paper), ours or c.ours, HOW[c.kind], f"paper_claims.md {cid}"))
+        rows.append((artefact, paper.format(c.paper), ours or c.ours, predicted_by(system) if system else HOW[c.kind],
+                     f"paper_claims.md {cid}"))
 
     t1 = tables.table1()
     rows.append(("Table 1: model states per GPU, 7.5B/128B/1T at Nd 1-1024", f"{len(t1)} cells (GB)",
@@ -78,7 +86,7 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
     rows.append(("Figure 2: every point of ZeRO-100B and the baseline trains, 1.5B-170B", f"{len(predictions.paper_points('fig2'))} points ran",
                  f"{int(fig2.agrees_with_paper.eq(True).sum())} of {len(fig2)} fit in 32 GB" if len(fig2)
                  else NOT_SIMULATED, HOW["simulated"] if len(fig2) else not_simulated("fig2"), "fig2/simulation.md"))
-    claim("Figure 2: 100B at 38 TFLOPs/GPU, 15 PFLOPs", "S1-8")
+    claim("Figure 2: 100B at 38 TFLOPs/GPU, 15 PFLOPs", "S1-8", system="deepspeed2020")
     at170 = [r for r in records if r.get("measured_by") == "simulated" and r.get("experiment") == "fig2"
              and r["model"]["name"] == "fig2_170b" and r["stage"] == 2]
     rows.append(("Figure 2: 170B on 400 GPUs", claims.loc["S10-4"].paper,
@@ -122,7 +130,7 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
     for target in predictions.targets_table().itertuples(index=False):   # the step-time model's targets (issue 21)
         rows.append((f"Throughput target: {target.target}", target.paper,
                      f"{target.predicted:g} ({'meets' if target.met == 'yes' else 'misses'} {target.band})",
-                     HOW["predicted"], "targets.md, sensitivity.md"))
+                     HOW["predicted"] + (f": {target.system}" if target.system != "-" else ""), "targets.md, sensitivity.md"))
     # the model against measurements that are not the paper's (results/external)
     step = predictions.measured_steps_table().set_index("step").loc["Megatron-LM 2019"]
     rows.append(("Step time check: Megatron-LM 2019's 1.2B on one DGX-2H V100",

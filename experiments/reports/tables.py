@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.analysis.memory import max_params, model_state_bytes
+from experiments.analysis.systems import SYSTEMS
 
 from experiments.records import REPO
 PAPER_DIR = REPO / "results" / "paper"
@@ -120,11 +121,16 @@ def table2(records: list[dict], paper_dir: Path = PAPER_DIR, device_gb: float = 
     return pd.DataFrame(rows)
 
 
-def optimizer_step(record: dict) -> str:
-    """"whole" when the record's optimizer updated the whole shard at once (zero.optimizer_bucket_size
+def optimizer_step_of(zero: dict) -> str:
+    """"whole" when these engine settings update the whole shard at once (zero.optimizer_bucket_size
     null, as Table 2's and Figures 2 and 4's baselines; and records from before the knob, which
     all did), else "chunked"."""
-    return "whole" if record.get("config", {}).get("zero", {}).get("optimizer_bucket_size") is None else "chunked"
+    return "whole" if zero.get("optimizer_bucket_size") is None else "chunked"
+
+
+def optimizer_step(record: dict) -> str:
+    """The record's optimizer step, "whole" or "chunked" (optimizer_step_of its engine settings)."""
+    return optimizer_step_of(record.get("config", {}).get("zero", {}))
 
 
 def _table2_key(record: dict) -> tuple:
@@ -175,21 +181,27 @@ def throughput_table(records: list[dict], paper: pd.DataFrame | None = None) -> 
     for r in records:
         ok = r["status"] == "ok"
         timed = ok and measured_by(r) == "hardware"  # a simulation times nothing
+        predicted = _predicted_tflops(r) if ok else None
         rows.append({
             "experiment": r["experiment"], "model": r["model"]["name"], "params_B": r["params"] / 1e9,
             "gpus": r["world_size"], "mp": r["tp"], "dp": r["dp"], "batch": r["global_batch"],
             "stage": STAGE_NAMES[r["stage"]], "precision": r["precision"], "c": r["recompute_factor"],
             "tflops_per_gpu": r["tflops_per_gpu"] if timed else None,
-            "tflops_per_gpu_predicted": _predicted_tflops(r) if ok else None,
+            "tflops_per_gpu_predicted": predicted,
+            # the step-time model of this engine's schedule, not of the paper's systems (throughput_predicted)
+            "predicted_system": RECORD_SYSTEM.label if predicted is not None else "-",
             "aggregate_pflops": r["tflops_per_gpu"] * r["world_size"] / 1000 if timed else None,
             "paper_tflops_per_gpu": ", ".join(lookup.get(_paper_key(r), [])) or "-",
             "status": r["status"], "measured_by": measured_by(r), "hardware": _hardware(r)})
     return pd.DataFrame(rows)
 
 
+RECORD_SYSTEM = SYSTEMS["zero_repro"]   # what a record's prediction models: the engine that ran it (predict_record)
+
+
 def _predicted_tflops(record: dict) -> float | None:
-    """The step-time model's TFLOPs/GPU for the record's point on its cluster (None on clusters
-    without the model's constants, e.g. `local` CPU runs)."""
+    """The step-time model's TFLOPs/GPU for the record's point on its cluster as this engine runs
+    it (None on clusters without the model's constants, e.g. `local` CPU runs)."""
     from experiments.analysis.step_time import predict_record
     pred = predict_record(record)
     return pred.tflops_per_gpu if pred else None

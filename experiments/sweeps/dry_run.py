@@ -10,13 +10,15 @@ def dry_run(points: list[Point]) -> None:
     """List the points with their shapes, GPU counts and predicted peak memory per GPU (model
     states, activations of the micro-batch, engine buffers: points.predicted_memory_bytes); a
     point fits when the total is within the cluster's device_memory_gb (x 1e9 bytes, as the
-    paper's Table 2). Run nothing."""
-    print("memory per GPU: the larger of backward's Table 1 model states + activations (Korthikanti et al. 2022, "
-          "dropout masks counted, checkpoints replicated over TP unless the point's ZeRO-R Pa partitions them, on "
-          "the host with Pa+cpu) + engine buffers, and the optimizer step's model states + its temporaries; 'fits' "
-          "against cluster.device_memory_gb")
+    paper's Table 2). Run nothing. The verdict is the formulas': what the caching allocator
+    reserves, and so whether the point fits, is the simulation's (simulate=true), which can
+    disagree (Figure 2's 170B fits here and does not in the simulation)."""
+    print("memory per GPU, analytic (formulas, no simulation): the larger of backward's Table 1 model states + "
+          "activations (Korthikanti et al. 2022, dropout masks counted, checkpoints replicated over TP unless the "
+          "point's ZeRO-R Pa partitions them, on the host with Pa+cpu) + engine buffers, and the optimizer step's "
+          "model states + its temporaries; 'fits (analytic)' against cluster.device_memory_gb")
     print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | micro-batch | recompute "
-          "| model states/GPU | activations/GPU | buffers/GPU | step temporaries/GPU | total/GPU | fits device "
+          "| model states/GPU | activations/GPU | buffers/GPU | step temporaries/GPU | total/GPU | fits (analytic) "
           "| runnable here |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|")
     for p in points:  # described for the target cluster's GPUs: "auto" means half precision there
@@ -32,3 +34,6 @@ def dry_run(points: list[Point]) -> None:
               f"| {format_bytes(predicted['activations'])} | {format_bytes(predicted['buffers'])} "
               f"| {format_bytes(predicted['step_temporaries'])} | {format_bytes(predicted['total'])} "
               f"| {fits} | {here} |")
+    print("'fits (analytic)' is an estimate from formulas: the simulation decides (simulate=true plays rank 0 at the "
+          "point's world size on fake tensors and replays what PyTorch's caching allocator would reserve, "
+          "fragmentation included)")

@@ -41,6 +41,7 @@ from experiments import records
 from experiments.launch import ChildPool
 from experiments.models.gpt_shape import parameter_count
 from experiments.points import Point, check_simulate_rank, predicted_memory_bytes, simulated_precision
+from experiments.reports.tables import optimizer_step_of
 from experiments.run.fake import is_gpu_cluster, simulate_point
 from experiments.run.record import simulated_path, simulated_record, verdict
 from experiments.sweeps.progress import Progress
@@ -222,7 +223,7 @@ class Search:
         return {
             "row_point_id": row.point_id, "experiment": row.experiment, "row_model": row.model["name"],
             "stage": row.stage, "tp": row.tp, "gpus": row.gpus, "dp": row.dp, "micro_batch": row.micro_batch,
-            "hidden": row.shape.hidden, "heads": row.shape.heads, "precision": self.precision,
+            "optimizer_step": optimizer_step_of(row.zero), "hidden": row.shape.hidden, "heads": row.shape.heads, "precision": self.precision,
             "limit_bytes": self.limit,
             "analytic_max_layers": self.analytic_layers,
             "analytic_max_params": parameter_count(family_point(row, self.analytic_layers).shape, row.tp)

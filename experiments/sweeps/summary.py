@@ -169,11 +169,14 @@ def simulated_summary_markdown(rows: list[dict]) -> str:
 
 
 def largest_markdown(results: list[dict]) -> str:
-    lines = ["| experiment | stage | MP | GPUs | micro-batch | family (h, heads) | analytic max | simulated max "
-             "| simulations | paper |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    """The largest-model search's rows; `optimizer step` (whole or chunked) tells apart the rows
+    of one baseline searched both ways (Table 2)."""
+    lines = ["| experiment | stage | MP | GPUs | micro-batch | optimizer step | family (h, heads) | analytic max "
+             "| simulated max | simulations | paper |", "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
     for r in results:
         sims = ", ".join(f"{s['layers']}{'✓' if s['fits'] else '✗'}" for s in r["simulations"])
         lines.append(f"| {r['experiment']} | {r['stage']} | {r['tp']} | {r['gpus']} | {r['micro_batch']} "
+                     f"| {r['optimizer_step']} "
                      f"| {r['hidden']}, {r['heads']} | {r['analytic_max_params'] / 1e9:.2f}B ({r['analytic_max_layers']} L) "
                      f"| {r['simulated_max_params'] / 1e9:.2f}B ({r['simulated_max_layers']} L) | {sims} | {r['paper']} |")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 records, failed points kept out of the numbers, and the figures notebook executing headless."""
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 import subprocess
@@ -14,9 +15,9 @@ import nbformat
 import pandas as pd
 import pytest
 
-from experiments.reports import tables
+from experiments.reports import scorecard, tables
 from experiments.records import load_records, validate_record
-from experiments.report import build_tables, format_number, latex_escape, to_latex, write_reports
+from experiments.report import build_tables, experiment_tables, format_number, latex_escape, to_latex, write_reports
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures" / "records"
@@ -89,11 +90,12 @@ def test_report_cli(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                            f"out_dir={tmp_path}", "experiment=cpu_default"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert f"10 records (10 ok) -> 22 files in {tmp_path / 'cpu_default'}" in done.stdout
+    assert f"10 records (10 ok) -> 19 files in {tmp_path / 'cpu_default'}" in done.stdout
     # An experiment's folder holds what its records fill: the measured CPU runs' tables and
-    # figures; no empty table, no "no ok records" panel, none of the whole set's model tables
+    # figures; no empty table, no "no ok records" panel, none of the whole set's model tables,
+    # no paper table the experiment does not name
     written = {p.name.split(".")[0] for p in (tmp_path / "cpu_default").iterdir()}
-    assert written == {"communication", "largest_model_cpu", "memory", "memory_bars", "scaling", "table2",
+    assert written == {"communication", "largest_model_cpu", "memory", "memory_bars", "scaling",
                        "throughput", "throughput_vs_size"}
     bad = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"), f"results_dir={FIXTURES}",
                           f"out_dir={tmp_path / 'x'}", "experiment=nope"], cwd=REPO, capture_output=True, text=True)
@@ -255,3 +257,66 @@ def test_table2_reports_each_baseline_with_its_optimizer_step():
     row = tables.table2(table2).set_index("mp").loc[1]
     assert row.largest_baseline_simulated == "1.3B (simulated)"
     assert row.largest_baseline_chunked_step_simulated == "1.9B (simulated)"
+
+
+def test_an_experiments_report_holds_the_paper_artefacts_it_names(tmp_path, compose):
+    """report.py experiment=table1 gives Table 1 (its description: "report.py prints the paper's
+    own Table 1"); each experiment's folder holds the tables and figures of the artefact its
+    `paper` names: Table 1 and 2 themselves, a figure's points as the step-time model predicts
+    them, Figures 6 and 7 from its searches and simulations; and no other paper table."""
+    done = subprocess.run([sys.executable, str(REPO / "experiments" / "report.py"),
+                           f"results_dir={REPO / 'results' / 'reference' / 'runs'}", f"out_dir={tmp_path}",
+                           "experiment=table1"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    table1 = (tmp_path / "table1" / "table1.md").read_text()
+    assert "| 1T | Pos | 64 | 4187.5 | 4187 |" in table1 and (tmp_path / "table1" / "table1_wide.md").is_file()
+    assert {"memory.md", "communication.md"} <= {p.name for p in (tmp_path / "table1").iterdir()}
+    assert not (tmp_path / "table1" / "table2.md").exists()
+
+    reference = load_records(REPO / "results" / "reference" / "runs")
+    made_of = {"fig6": "largest", "fig7": "fig7_memory"}  # records' tables: the searches, the simulated peaks
+    for path in sorted((REPO / "conf" / "experiment").glob("*.yaml")):
+        name = path.stem
+        paper = compose(f"experiment={name}").experiment.paper
+        named = re.match(r"(Table|Figure) (\d)(?![-\d])", paper)  # not "Table 5-style"
+        built = experiment_tables([r for r in reference if r["experiment"] == name], name)
+        assert ("table2" in built) == (name == "table2") and ("table1" in built) == (name == "table1"), name
+        if named is None:  # cpu_default: "Table 5-style summary", its records' tables
+            continue
+        kind, number = named.groups()
+        if kind == "Table":
+            assert f"table{number}" in built, (name, paper)
+        elif name in made_of:
+            assert made_of[name] in built, (name, paper)
+        else:
+            assert set(built["throughput_predicted"].figure) == {f"fig{number}"}, (name, paper)
+
+
+def _accumulating(record: dict, micro_batches: int) -> dict:
+    """The record as experiments/plan.py writes one for a global batch: `micro_batches` accumulated
+    per optimizer step, each reducing the gradients (stage 2: Ψ a micro-batch, then Ψ gathered)."""
+    out = copy.deepcopy(record)
+    out["config"]["train"]["grad_accum_steps"] = micro_batches
+    out["comm"]["elements_per_step"] = out["comm"]["dp_elements_per_step"] = (micro_batches + 1) * out["params_per_gpu"]
+    return out
+
+
+def test_the_scorecards_communication_rows_count_steps_of_one_micro_batch():
+    """Sec 7's 2Ψ and 3Ψ are per step of one micro-batch: records accumulating several (a plan's
+    for a global batch) are left out and counted, not read as 9Ψ; stage 3 says what
+    stage3_keep_root (the default) saves against 3Ψ and which setting gives 3Ψ."""
+    reference = load_records(REPO / "results" / "reference" / "runs")
+    card = scorecard.scorecard(reference).set_index("artefact")
+    stage2 = next(r for r in reference if r.get("measured_by") == "simulated" and r["stage"] == 2 and r["dp"] > 1
+                  and r["status"] == "ok" and not r.get("zero_r_config", "").endswith("Pa"))
+    with_plan = scorecard.scorecard(reference + [_accumulating(stage2, 8)] * 2).set_index("artefact")
+    row = with_plan.loc["Communication: Pos+g"]
+    assert row.ours == card.loc["Communication: Pos+g"].ours + (
+        "; 2 records accumulating micro-batches left out (the claim is per step of one micro-batch; they reduce "
+        "the gradients once per micro-batch)")
+    assert "9.0000" not in row.ours and with_plan.loc["Communication: data parallelism"].ours == \
+        card.loc["Communication: data parallelism"].ours
+    stage3 = card.loc["Communication: Pos+g+p"].ours
+    assert re.match(r"2\.\d{4}-2\.\d{4}Ψ per step \(stage 3\): 3Ψ less the root unit's second gather, "
+                    r"0\.\d{4}-0\.\d{4}Ψ here, which stage3_keep_root \(the default\) saves; "
+                    r"stage3_keep_root=false gives 3Ψ$", stage3), stage3

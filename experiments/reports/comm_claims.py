@@ -1,0 +1,88 @@
+"""Section 7's communication volumes (claims S7-1..3: data parallelism and Pos+g move 2Ψ
+elements per training step, Pos+g+p 3Ψ) against the engine's counts in the records.
+
+The paper counts one training step of one micro-batch per rank: a forward, a backward that
+reduces each gradient once, an optimizer step. A record whose step accumulates several
+micro-batches (train.grad_accum_steps > 1, as experiments/plan.py's records for a global batch
+do) reduces its gradients once per micro-batch, so it moves more per optimizer step by
+construction, not by the engine's choice: such records are left out and counted.
+
+Stage 3 keeps the root unit (embeddings, final norm, head) gathered from the end of forward to
+its backward by default (zero.stage3_keep_root, as FSDP2 keeps its root), which saves the root's
+second gather: the engine's own formula for a record is 3Ψ less the root's elements
+(comm.theory_elements_per_step). `stage3_keep_root=false` runs the paper's schedule, every unit
+gathered twice: 3Ψ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Counted:
+    """One stage's records that test the claim, as ratios to Ψ (the record's parameters per rank)."""
+    per_psi: list[float] = field(default_factory=list)     # data-parallel elements per step / Ψ
+    vs_formula: list[float] = field(default_factory=list)  # those elements / the engine's formula for the record
+    root_kept: list[float] = field(default_factory=list)   # stage 3: the root's second gather saved / Ψ
+
+
+def accumulated(record: dict) -> bool:
+    """True when the record's optimizer step accumulates more than one micro-batch."""
+    return int(record.get("config", {}).get("train", {}).get("grad_accum_steps") or 1) > 1
+
+
+def counted(records: list[dict], simulated: bool) -> tuple[dict[int, Counted], dict[int, int]]:
+    """By stage, the ok records with DP > 1 (measured on CPU, or simulated) that count one step of
+    one micro-batch; and by stage, how many such records accumulate micro-batches and were left
+    out. ZeRO-R's Pa all-gathers, over the MP group, are not Section 7's volume and stay out
+    (records without the split have none)."""
+    out: dict[int, Counted] = {}
+    left_out: dict[int, int] = {}
+    for r in records:
+        if r.get("status") != "ok" or r.get("dp", 1) <= 1 or not r.get("params_per_gpu"):
+            continue
+        if (r.get("measured_by") == "simulated") != simulated:
+            continue
+        if accumulated(r):
+            left_out[r["stage"]] = left_out.get(r["stage"], 0) + 1
+            continue
+        comm, psi = r["comm"], r["params_per_gpu"]
+        elements = comm.get("dp_elements_per_step", comm["elements_per_step"])
+        c = out.setdefault(r["stage"], Counted())
+        c.per_psi.append(elements / psi)
+        c.vs_formula.append(elements / comm["theory_elements_per_step"])
+        if r["stage"] == 3:
+            c.root_kept.append((3 * psi - comm["theory_elements_per_step"]) / psi)
+    return out, left_out
+
+
+def fmt_range(values: list[float]) -> str:
+    return f"{min(values):.4f}" if max(values) - min(values) < 5e-5 else f"{min(values):.4f}-{max(values):.4f}"
+
+
+def _left_out(n: int) -> str:
+    return (f"; {n} record{'s' if n != 1 else ''} accumulating micro-batches left out (the claim is per step of one "
+            "micro-batch; they reduce the gradients once per micro-batch)") if n else ""
+
+
+def comm_claim(records: list[dict], stage: int, theory: int) -> tuple[str, str, str]:
+    """(ours, kind, how) of the claim that `stage` moves `theory`Ψ elements per step: simulated
+    records where there are some at that stage, else the CPU's, else the formula; with how many
+    records at that stage were left out for accumulating micro-batches."""
+    sources = {simulated: counted(records, simulated) for simulated in (True, False)}
+    left_out = sum(skipped.get(stage, 0) for _, skipped in sources.values())
+    for simulated, kind, source in ((True, "simulated", "engine counts at full world size (simulate=true records), "
+                                                        "data-parallel traffic"),
+                                    (False, "measured (CPU)", "engine counts of the ok records with DP > 1 (padding "
+                                                              "and the gradient norm's scalars included)")):
+        c = sources[simulated][0].get(stage)
+        if c is None:
+            continue
+        ours = f"{fmt_range(c.per_psi)}Ψ per step (stage {stage})"
+        if stage == 3 and max(c.root_kept) > 0:
+            ours += (f": 3Ψ less the root unit's second gather, {fmt_range(c.root_kept)}Ψ here, which "
+                     "stage3_keep_root (the default) saves; stage3_keep_root=false gives 3Ψ")
+        how = (f"{source}; {fmt_range(c.vs_formula)}x the engine's formula for each record"
+               + (" (3Ψ less the root kept gathered)" if stage == 3 else "") + f"; the paper's {theory}Ψ")
+        return ours + _left_out(left_out), kind, how
+    return f"{theory}Ψ" + _left_out(left_out), "formula", "Sec 7 volumes; no records with DP > 1 given to this report"
