@@ -2,7 +2,7 @@
 NodeAddr), since node names often resolve nowhere but in Slurm (names that exist only in
 slurm.conf, or in a DNS the compute nodes do not use). slurm/launch.sh rendezvouses at the first
 node's address and gives each node's torchrun its own; a submitit job's TCPStore is served at
-the first node's address.
+the first node's address (experiments/sweeps/slurm_job.py).
 
     python -m experiments.slurm_nodes node[1-2]   # one "name address" line per node, in job order
 """
@@ -28,11 +28,15 @@ def node_addresses(names: list[str], show_node: str) -> dict[str, str]:
     return {name: addresses.get(name, name) for name in names}
 
 
-def job_node_addresses(hostlist: str) -> dict[str, str]:
-    """{name: address} for a Slurm hostlist (SLURM_JOB_NODELIST), in its order, asking scontrol.
-    Where scontrol cannot say (not installed, the controller unreachable), names stay names."""
-    names = _scontrol("show", "hostnames", hostlist).split() or [hostlist]
+def query_addresses(names: list[str]) -> dict[str, str]:
+    """{name: address} for these node names, asking scontrol. Where scontrol cannot say (not
+    installed, the controller unreachable, names it does not know), names stay names."""
     return node_addresses(names, _scontrol("show", "node", "-o", ",".join(names)))
+
+
+def job_node_addresses(hostlist: str) -> dict[str, str]:
+    """{name: address} for a Slurm hostlist (SLURM_JOB_NODELIST), in its order."""
+    return query_addresses(_scontrol("show", "hostnames", hostlist).split() or [hostlist])
 
 
 def _scontrol(*args: str) -> str:

@@ -59,7 +59,7 @@ with open(pending) as f:
     record = json.load(f)
 resume = record.get("resume") or {}
 record["status"] = status
-record["error"] = f"{message}; rank 0 had recorded step {resume.get('last_step')}" + (
+record["error"] = f"{message} after step {resume.get('last_step')}" + (
     f"; resume from {resume['checkpoint']} with train.resume=true" if resume.get("checkpoint") else "")
 with open(pending, "w") as f:
     json.dump(record, f, indent=1)

@@ -132,8 +132,11 @@ SlurmctldPort=6817
         self.procs.append(subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL))
 
-    def run(self, *command: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(list(command), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    def run(self, *command: str, timeout: float = 600, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """`command` against this cluster, with `env` added to its environment."""
+        return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from experiments.points import Point, expand
 from experiments.run.outcome import RanksLost
 from experiments.run.real import run_as_rank
+from experiments.slurm_nodes import query_addresses
 from experiments.sweeps.local import already_done
 
 
@@ -42,7 +43,9 @@ def run_job_points(points: list[Point], job, results_dir: Path, force: bool) -> 
     os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank))
     # per-point keys (each point's own prefix); rank 0 waits here for every task to connect
     timeout = timedelta(seconds=max(p.train["timeout_s"] for p in todo))
-    store = dist.TCPStore(job.hostnames[0], 20000 + int(job.raw_job_id) % 20000, job.num_tasks,
+    # at the first node's address as Slurm has it: its name may resolve nowhere but in Slurm
+    head = job.hostnames[0]
+    store = dist.TCPStore(query_addresses([head])[head], 20000 + int(job.raw_job_id) % 20000, job.num_tasks,
                           is_master=job.global_rank == 0, timeout=timeout)
     for point in todo:
         try:
