@@ -129,10 +129,19 @@ class Point:
     @property
     def point_id(self) -> str:
         """Readable and unique: the axes, the note, and a hash of everything else."""
+        return self._id(NOT_HASHED)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The point's id with train.steps left out: the same training run for more or fewer
+        steps, which train.resume=true continues from its checkpoints (run/real.py checkpoint_root)."""
+        return self._id((*NOT_HASHED, "steps"))
+
+    def _id(self, unhashed_train: tuple[str, ...]) -> str:
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
         settings["zero"] = {k: v for k, v in self.zero.items() if k not in UNHASHED_KNOBS
                             and (k not in LATER_KNOB_DEFAULTS or v != LATER_KNOB_DEFAULTS[k])}
-        settings["train"] = {k: v for k, v in self.train.items() if k not in NOT_HASHED
+        settings["train"] = {k: v for k, v in self.train.items() if k not in unhashed_train
                              and (k not in LATER_TRAIN_DEFAULTS or v != LATER_TRAIN_DEFAULTS[k])}
         if settings["train"]["precision"] == "auto":  # auto means fp32 on CPU, half precision on GPUs
             settings["train"]["precision"] = "auto-gpu" if torch.cuda.is_available() else "auto-cpu"

@@ -45,7 +45,9 @@ def simulate(cfg: DictConfig) -> int:
 @exit_on_interrupt("this run wrote no record (one with checkpoints resumes with train.resume=true)")
 def main(cfg: DictConfig) -> None:
     # imported once the preflight has passed: a bad command line is refused without megatron-core
+    from experiments import records
     from experiments.run.real import run_as_rank
+    from experiments.run.record import resume_line
     from experiments.sweeps.summary import point_summary_line
     if "WORLD_SIZE" not in os.environ:  # a plain `python experiments/train.py gpus=1`: a world of one,
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",  # on a port no other run holds
@@ -55,8 +57,9 @@ def main(cfg: DictConfig) -> None:
             sys.exit(simulate(cfg))
         path = run_as_rank(point_from_train_config(cfg), Path(cfg.results_dir),
                            os.environ.get("ZERO_REPRO_LAUNCHER", "torchrun"))
-        if path is not None:  # rank 0: what the run measured, and where its record is
+        if path is not None:  # rank 0: what the run measured, whether it resumed, and where its record is
             print(point_summary_line(path))
+            print(resume_line(records.read_record(path)))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -40,9 +40,10 @@ class Preempted(Exception):
 
 
 def checkpoint_root(point: Point, experiment_dir: Path) -> Path:
-    """Where a point's checkpoints go: train.checkpoint_dir, else <experiment folder>/checkpoints/<point id>."""
+    """Where a point's checkpoints go: train.checkpoint_dir, else <experiment folder>/checkpoints/<its
+    checkpoint id> (its id less train.steps: a resume with another train.steps finds them)."""
     return Path(point.train["checkpoint_dir"]) if point.train["checkpoint_dir"] else \
-        experiment_dir / "checkpoints" / point.point_id
+        experiment_dir / "checkpoints" / point.checkpoint_id
 
 
 def with_checkpoint_dir(point: Point, experiment_dir: Path) -> dict:
@@ -141,7 +142,8 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
         memory["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
     return {"rank": dist.get_rank(), "losses": losses, "step_times_s": times, "stats": stats,
             "freed_memory_kept": freed_memory_kept(),  # then peak_rss holds freed memory kept for reuse too
-            "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from}}
+            "resume": {"last_step": len(losses), "checkpoint": saved, "resumed_from": resumed_from,
+                       "resumed_step": start if resumed_from else None}}
 
 
 def _resume_line(root: Path, latest: Path | None) -> str:

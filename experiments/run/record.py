@@ -67,6 +67,16 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
     return record
 
 
+def resume_line(record: dict) -> str:
+    """Whether a finished run resumed, and at which step: "resumed at step 4 from <checkpoint>",
+    or "started at step 0", saying so when train.resume=true found no checkpoint."""
+    resume = record.get("resume") or {}
+    if resume.get("resumed_from"):
+        return f"resumed at step {resume['resumed_step']} from {resume['resumed_from']}"
+    asked = record["config"]["train"]["resume"]
+    return "started at step 0" + (" (train.resume=true found no complete checkpoint)" if asked else "")
+
+
 def classify_failure(error: BaseException) -> tuple[str, str]:
     """(status, error text) for a point that did not finish."""
     text = f"{type(error).__name__}: {error}" if not isinstance(error, RankFailed) else str(error)

@@ -17,7 +17,7 @@ from experiments.launch import spawn
 from experiments.points import (ConfigError, Point, available_models, check_host_memory, check_runnable_here,
                                 resolve_precision)
 from experiments.run.real import checkpoint_root, train_rank, with_checkpoint_dir
-from experiments.run.record import build_record, classify_failure
+from experiments.run.record import build_record, classify_failure, resume_line
 from experiments.sweeps.summary import folder_summary_rows, print_summary, summary_rows, write_summary_csv
 
 REPO = records.REPO
@@ -43,7 +43,9 @@ def run_local_sweep(points: list[Point], results_dir: Path, launcher: str, force
             tqdm.write(f"invalid {point.point_id}: {e}", file=sys.stderr)
             continue
         record = run_point(point, launcher, results_dir)
-        tqdm.write(f"{record['status']:7s} {point.point_id}", file=sys.stderr)
+        resumed = (record.get("resume") or {}).get("resumed_from")
+        tqdm.write(f"{record['status']:7s} {point.point_id}" + (f" ({resume_line(record)})" if resumed else ""),
+                   file=sys.stderr)
     print_summary(summary_rows(points, results_dir))
     every = folder_summary_rows(points, results_dir)
     write_summary_csv(every, results_dir / "summary.csv")

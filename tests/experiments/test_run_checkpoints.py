@@ -26,7 +26,7 @@ def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monk
     from experiments.run.real import train_rank, with_checkpoint_dir
     straight = _point(compose, tmp_path, "train.checkpoint_every=2")
     done = spawn(train_rank, 2, with_checkpoint_dir(straight, tmp_path), "fp32", timeout=120)[0]
-    root = tmp_path / "checkpoints" / straight.point_id
+    root = tmp_path / "checkpoints" / straight.checkpoint_id
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"] and len(done["losses"]) == 5
     monkeypatch.setenv("ZERO_REPRO_STOP_FILE", str(tmp_path / "stop_requested"))
     (tmp_path / "stop_requested").touch()
@@ -46,7 +46,7 @@ def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monk
     assert f"train.resume: from {tmp_path}/interrupted/step_1, the newest complete checkpoint in {tmp_path}/interrupted; " \
            "passing over the unfinished save(s) step_3.tmp\n" in capfd.readouterr().out
     assert again["resume"] == {"last_step": 5, "checkpoint": str(tmp_path / "interrupted" / "step_1"),
-                               "resumed_from": str(tmp_path / "interrupted" / "step_1")}
+                               "resumed_from": str(tmp_path / "interrupted" / "step_1"), "resumed_step": 1}
 
 
 def _barriers_and_times(point_dict: dict) -> dict:

@@ -96,7 +96,7 @@ def test_a_preempted_point_is_recorded_before_any_rank_leaves(compose, tmp_path,
     spawn(_task, 2, [point], results_dir, _job_port(), timeout=60)
     record = read_record(results_dir / f"{point.point_id}.json")
     assert record["status"] == "timeout" and "stopped after step 1" in record["error"]
-    saved = results_dir / "checkpoints" / point.point_id / "step_1"
+    saved = results_dir / "checkpoints" / point.checkpoint_id / "step_1"
     assert record["resume"] == {"last_step": 1, "checkpoint": str(saved)}
     assert Path(f"{stop}.saved").exists() and not list(results_dir.glob("*.pending"))
 
