@@ -229,3 +229,16 @@ def test_ctrl_c_is_one_line_exit_130_and_the_running_point_is_recorded(compose, 
     with pytest.raises(SystemExit) as e:
         exit_on_interrupt("how to go on")(interrupted)()
     assert e.value.code == 130 and capsys.readouterr().err == "\ninterrupted: how to go on\n"
+
+
+def test_make_notebook_executes_the_figures_notebook_into_an_ignored_folder():
+    """`make notebook` runs notebooks/figures.ipynb with nbclient (Jupyter's nbconvert is not
+    installed) from notebooks/, and writes the executed copy where git ignores it."""
+    recipe = subprocess.run(["make", "-n", "notebook", "STAMP="], cwd=commands.REPO, capture_output=True, text=True,
+                            check=True).stdout
+    assert "nbclient.NotebookClient(" in recipe and "nbformat.read('notebooks/figures.ipynb'" in recipe
+    assert "'path': 'notebooks'" in recipe
+    written = "results/reports/figures.ipynb"
+    assert f"nbformat.write(nb, '{written}')" in recipe
+    assert subprocess.run(["git", "check-ignore", "-q", written], cwd=commands.REPO).returncode == 0
+    assert "make notebook" in (commands.REPO / "docs" / "experiments.md").read_text()
