@@ -223,7 +223,8 @@ class Search:
         return {
             "row_point_id": row.point_id, "experiment": row.experiment, "row_model": row.model["name"],
             "stage": row.stage, "tp": row.tp, "gpus": row.gpus, "dp": row.dp, "micro_batch": row.micro_batch,
-            "optimizer_step": optimizer_step_of(row.zero), "hidden": row.shape.hidden, "heads": row.shape.heads, "precision": self.precision,
+            "optimizer_step": optimizer_step_of(row.zero),   # whole or chunked: Table 2 searches its baselines both ways
+            "hidden": row.shape.hidden, "heads": row.shape.heads, "precision": self.precision,
             "limit_bytes": self.limit,
             "analytic_max_layers": self.analytic_layers,
             "analytic_max_params": parameter_count(family_point(row, self.analytic_layers).shape, row.tp)

@@ -187,7 +187,7 @@ def test_figures_notebook_tells_the_reference_story_and_adds_your_runs(tmp_path)
 
     reference_titles, reference_text = _notebook_outputs(nb.cells[:part2])
     for title in ("Largest model that fits a 32 GB V100", "Figure 2:", "Figure 3:", "Figure 4:", "Figure 8:",
-                  "SIMULATED peak device memory", "Model-state memory", "Communication per training step"):
+                  "SIMULATED device memory", "Model-state memory", "Communication per training step"):
         assert sum(t.startswith(title) for t in reference_titles) == 1, (title, reference_titles)
     reference = load_records(REPO / "results" / "reference" / "runs")
     assert f"reference set: {len(reference)} records from results/reference/runs" in reference_text
