@@ -1,8 +1,8 @@
 """Collectives with accounting: every tensor handed to torch.distributed is counted here.
 
 Counting convention (the README's "Accounting"): a reduce-scatter counts its full input, an all-gather its full
-output, an all-reduce twice its size. With it, DP and ZeRO stages 1-2 move 2Ψ elements per step
-and stage 3 moves 3Ψ, the numbers of the paper's Section 7.
+output, an all-reduce twice its size, a broadcast (initialization only: agreement.py) its size. With it,
+DP and ZeRO stages 1-2 move 2Ψ elements per step and stage 3 moves 3Ψ, the numbers of the paper's Section 7.
 
 Every collective here takes flat tensors (all_gather_into_tensor, reduce_scatter_tensor,
 all_reduce), behind which NCCL allocates nothing. None takes a list: ProcessGroupNCCL would
@@ -131,6 +131,13 @@ class Communicator:
             return None
         self._record("all_reduce", purpose, 2 * tensor.numel(), tensor)
         return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, purpose: str) -> None:
+        """The group's first rank's `tensor` to every rank, in place (blocking); counted as its size."""
+        if self.local:
+            return
+        self._record("broadcast", purpose, tensor.numel(), tensor)
+        dist.broadcast(tensor, group=self.group, group_src=0)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool = False):
         """Sum `input` over ranks; this rank receives its contiguous 1/size slice in `output`."""

@@ -13,11 +13,13 @@ is common to all stages.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from . import agreement
 from .activations import ActivationCheckpoints
 from .checkpoint import state_dict as engine_state
 from .comm import CommLedger, Communicator
@@ -55,6 +57,8 @@ class ZeroEngine(nn.Module):
         slots, group_options = _collect_slots(module, param_groups, self.mp, with_frozen=config.stage == 3)
         dtype = config.param_dtype
         device = _device_of(slots)
+        agreement.check(config, module, self.dp, device)  # one config, one model shape, or one line why not
+        agreement.broadcast_states(module, self.dp)       # one starting model: the DP group's first rank's
         if config.stage == 3:
             self.params = Stage3Params(module, slots, config, self.dp, device, param_init_fn)
         else:
@@ -73,6 +77,8 @@ class ZeroEngine(nn.Module):
             self.params.buckets, trainable, config.stage, self.dp, config.grad_reduce_dtype,
             config.overlap_comm, device,
             on_bucket_complete=self.params.on_gradients_complete if config.stage == 3 else None)
+        if config.stage == 3:
+            self.params.without_gradient = weakref.WeakMethod(self.grads.without_gradient)
         shards = [OwnedShard(b, *self.params.owned_range(b), param=self.params.shard_view(b),
                              grad=self.grads.shard_grads[b.index], initial=self.params.initial_masters(b))
                   for b in self.params.buckets]
@@ -344,7 +350,7 @@ class ZeroEngine(nn.Module):
             "loss_scale": self.scaler.scale,
             "grad_norm": self.sharded_optimizer.grad_norm,
             "optimizer": self.sharded_optimizer.implementation(),
-            "comm": {"last_step": CommLedger.summarize(last, since=previous, exclude=("export",)),
+            "comm": {"last_step": CommLedger.summarize(last, since=previous, exclude=("export", "init")),
                      "total": CommLedger.summarize(self.ledger.snapshot())},
             "memory": self.memory(),
             "bytes_per_param": self.bytes_per_param(),

@@ -148,6 +148,11 @@ class BucketedGradReducer:
                 self._launch(self.buckets[self.next_launch])
                 self.next_launch += 1
 
+    def without_gradient(self, bucket_index: int) -> list[str]:
+        """Names of the bucket's trainable parameters that got no gradient in this backward yet."""
+        return [s.name for s in self.buckets[bucket_index].slots
+                if s.param.requires_grad and id(s.param) not in self.reported]
+
     def _staging_for(self, bucket: Bucket) -> torch.Tensor:
         """Stages 2-3: the bucket's staging buffer, its padding zeroed (gradients are copied in)."""
         buf = self.staging.get(bucket.index)

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import agreement
 from .comm import Communicator
 from .config import ZeroConfig
 from .hooks import WeakHook
@@ -72,6 +73,9 @@ class Stage3Params:
         self.passes, self.pass_kind = 0, None  # passes begun (all forwards between two backwards: one)
         self.gathers = {key: {"prefetched": 0, "on_demand": 0} for key in ("forward", "backward", "total")}
         self._fp32_shards = [self._initial_shard(u, model, param_init_fn) for u in self.units]
+        # the reducer's names of a bucket's parameters without a gradient yet, held weakly (the
+        # reducer holds this object): the engine sets it to a WeakMethod
+        self.without_gradient: Callable[[], Callable[[int], list[str]]] | None = None
         self.handles = []  # hooks hold a unit's index and this object weakly (hooks.py)
         for unit in root + layers_reversed:
             index = self.units.index(unit)
@@ -102,6 +106,8 @@ class Stage3Params:
         for s in unit.slots:
             if not s.param.is_meta:
                 full[s.start - unit.start:s.end - unit.start].copy_(s.param.detach().reshape(-1))
+        if on_meta:  # each rank ran `init` on its own: the DP group's first rank's values for all
+            agreement.broadcast(full, self.comm)  # (the rest came broadcast: agreement.py)
         shard = torch.cat([full[lo - unit.start:hi - unit.start]
                            for lo, hi in (b.shard_range(self.comm.rank) for b in unit.buckets)])
         if on_meta:  # the materialized parameters still view `full`: free it now, not at bind()
@@ -229,7 +235,24 @@ class Stage3Params:
         """Autograd computed the gradients of the unit's inputs (stage3_signals.py)."""
         unit = self.units[index]
         unit.inputs_pending = max(0, unit.inputs_pending - 1)
+        if self.in_backward and not unit.inputs_pending and not unit.grads_done and self.comm.size > 1:
+            self._refuse_unused(unit)
         self._release_if_done(unit)
+
+    def _refuse_unused(self, unit: Unit) -> None:
+        """The unit's backward is over and a trainable parameter of it got no gradient: a branch
+        this rank skipped. Another rank that took it reduce-scatters the unit now, this one only
+        at the end of backward, and in between the two issue other gathers: their collectives no
+        longer match and would hang (or, equal in size, mix). Raised here, before this rank
+        issues a collective out of order. A unit's parameters all get their gradients before its
+        inputs' (autograd runs a parameter's AccumulateGrad first; one shared with another unit
+        is the root's), so a rank that used them all never gets here."""
+        names = [n for b in unit.buckets for n in self.without_gradient()(b.index)]
+        raise RuntimeError(f"stage 3: parameter {names[0]!r} got no gradient in this backward on DP rank "
+                           f"{self.comm.rank}, though its unit {unit.name} ran: a parameter that some ranks use and "
+                           "others skip (a data-dependent branch) would order the ranks' collectives differently and "
+                           "hang; use every parameter of a unit on every rank (multiply a skipped branch by zero), "
+                           "or train this model at stage 0-2")
 
     def on_gradients_complete(self, bucket_index: int) -> None:
         """Every trainable parameter of the unit has its gradient (the reducer's signal)."""

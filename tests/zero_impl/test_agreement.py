@@ -1,0 +1,124 @@
+"""Ranks that agree before they train (zero_impl/agreement.py, issue 37 item 3).
+
+initialize() broadcasts every parameter and buffer from the DP group's first rank, so ranks
+that built different initial models (seeded by rank) train the first rank's model: checked
+against the single-process reference from that model at every stage, in fp64. Ranks whose
+ZeroConfig or parameters differ are refused in one line naming the key and both values,
+instead of hanging in a collective. At stage 3, a parameter one rank uses and another skips
+(a data-dependent branch) is refused on the rank that skipped it, naming the parameter,
+before the ranks' collectives part ways.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_impl
+from helpers import CLIP, FP64_TOL, MODEL, adamw, global_batch, max_abs_diff, param_groups, reference_run
+from experiments.launch import RankFailed, spawn
+from experiments.models.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss
+
+STEPS, ACCUM = 3, 2
+
+
+def _seeded_by_rank(stage: int) -> dict:
+    """Each rank draws its own model (rank 0's is the helpers' make_model); 3 steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    model = TinyGPT(MODEL).to(torch.float64)
+    model.wpe.weight.requires_grad_(False)  # a frozen parameter is broadcast too
+    engine = zero_impl.initialize(model, zero_impl.ZeroConfig(stage=stage, precision="fp64", grad_accum_steps=ACCUM,
+                                                              clip_grad_norm=CLIP, reduce_bucket_size=500),
+                                  optimizer=adamw, param_groups=param_groups(model))
+    for step in range(STEPS):
+        batch = global_batch(step, world, ACCUM)
+        for k in range(ACCUM):
+            engine.backward(lm_loss(engine(batch[k, rank]), batch[k, rank]))
+            engine.step()
+    init = engine.stats()["comm"]["total"]["by_purpose"].get("init", {"elements": 0})
+    return {"params": engine.full_parameters(), "init": init}
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ranks_seeded_apart_train_the_first_ranks_model(stage):
+    reference, _, _ = reference_run(STEPS, 2, ACCUM, precision="fp64")
+    results = spawn(_seeded_by_rank, 2, stage, timeout=120)
+    for r in results:
+        assert max_abs_diff(r["params"], reference) < FP64_TOL
+    psi = sum(p.numel() for p in TinyGPT(MODEL).parameters())
+    assert results[0]["init"]["elements"] >= psi  # broadcast once, at initialization
+
+
+class _Plain(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width), nn.Linear(width, width)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _disagreeing(what: str) -> None:
+    rank = dist.get_rank()
+    model = _Plain(width=12 if what == "shape" and rank == 1 else 8)
+    config = {"stage": 2, "reduce_bucket_size": 600 if what == "config" and rank == 1 else 500}
+    zero_impl.initialize(model, zero_impl.ZeroConfig(**config), optimizer=adamw)
+
+
+@pytest.mark.parametrize("what,message", [
+    ("config", r"ranks disagree on ZeroConfig.reduce_bucket_size: 500 on DP rank 0, 600 on DP rank 1"),
+    ("shape", r"ranks disagree on the model: parameter 'layers.0.weight' is \(8, 8\) float32 on DP rank 0, "
+              r"\(12, 12\) float32 on DP rank 1"),
+])
+def test_ranks_that_disagree_are_refused_in_one_line(what, message):
+    with pytest.raises(RankFailed, match=message):  # raised on every rank, not a hang
+        spawn(_disagreeing, 2, what, timeout=60)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, take: bool) -> torch.Tensor:
+        return self.main(x) + self.extra(x) if take else self.main(x)
+
+
+class _Branchy(nn.Module):
+    """Two stage-3 units; each runs `extra` only when its batch says so (data-dependent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        take = bool(x[0, 0] > 0)
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x, take)
+        return x
+
+
+def _branch(takers: tuple[int, ...]) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    engine = zero_impl.initialize(_Branchy(), zero_impl.ZeroConfig(stage=3), optimizer=adamw)
+    x = torch.randn(4, 8).abs() * (1 if rank in takers else -1)
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return engine.full_parameters()
+
+
+def test_stage3_branch_only_one_rank_takes_is_refused_naming_the_parameter():
+    with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*stage 3: parameter 'layers.1.extra.(weight|bias)' got "
+                                         r"no gradient in this backward on DP rank 1, though its unit layers.1 ran"):
+        spawn(_branch, 2, (0,), timeout=60)
+    both = spawn(_branch, 2, (0, 1), timeout=60)  # a branch every rank takes trains as usual
+    assert max_abs_diff(both[0], both[1]) == 0.0
