@@ -18,7 +18,7 @@ REFERENCE_RUNS = Path(__file__).resolve().parents[2] / "results" / "reference" /
 CPU_EXPERIMENTS = ("cpu_default", "table1")
 MODEL_STATES = ("params", "grads", "optimizer_states", "buffers", "total")
 TRAFFIC = ("elements_per_step", "bytes_per_step", "by_purpose")
-RERUN = "python experiments/sweep.py experiment={} results_dir=results/reference/runs (its folder emptied first)"
+RERUN = "make reference-cpu"
 
 
 def committed(experiment: str) -> list[dict]:
@@ -29,7 +29,7 @@ def committed(experiment: str) -> list[dict]:
 def test_the_committed_cpu_records_are_a_fresh_sweeps_points(experiment, compose):
     fresh = {p.point_id for p in expand(compose(f"experiment={experiment}"))}
     kept = {r["point_id"] for r in committed(experiment)}
-    assert kept == fresh, f"stale: {sorted(kept - fresh)}, missing: {sorted(fresh - kept)}; run {RERUN.format(experiment)}"
+    assert kept == fresh, f"stale: {sorted(kept - fresh)}, missing: {sorted(fresh - kept)}; run {RERUN}"
     assert all(r["status"] == "ok" for r in committed(experiment))
 
 
@@ -45,4 +45,4 @@ def test_the_committed_cpu_records_move_and_hold_what_the_code_does(experiment):
         if held != {k: record["memory"]["measured"][k] for k in MODEL_STATES} \
                 or moved != {k: record["comm"][k] for k in TRAFFIC}:
             differ.append((record["point_id"], held, moved))
-    assert not differ, f"committed records the code no longer gives: {differ}; run {RERUN.format(experiment)}"
+    assert not differ, f"committed records the code no longer gives: {differ}; run {RERUN}"
