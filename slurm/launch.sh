@@ -142,7 +142,7 @@ fi
 PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
 RDZV_HOST="$HEAD_ADDR"
 if [[ "$RDZV_HOST" == *:* ]]; then RDZV_HOST="[$RDZV_HOST]"; fi  # an IPv6 NodeAddr
-if [ "$HEAD_ADDR" = "$HEAD" ]; then WHERE="$HEAD (Slurm gives no NodeAddr: by name)"; else WHERE="$HEAD's NodeAddr"; fi
+if [ "$HEAD_ADDR" = "$HEAD" ]; then WHERE="$HEAD's name: Slurm gives it no NodeAddr"; else WHERE="$HEAD's NodeAddr"; fi
 
 # NCCL on DGX clusters: a failed or stuck collective aborts its communicator and raises in the
 # rank (mode 2; mode 1 would kill the process before rank 0 records why, experiments/run/outcome.py),

@@ -1,0 +1,70 @@
+"""The address a job's nodes are reached at, as a function of what Slurm reports
+(experiments/slurm_nodes.py), and slurm/launch.sh's use of it: the rendezvous at the first node's
+NodeAddr, each node's torchrun told its own (slurm/node.sh)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from experiments.slurm_nodes import node_addresses
+from slurm_stubs import REPO, run_launch, srun_arguments
+
+# `scontrol show node -o node1,node2` on the test tier's cluster (Slurm 22.05), shortened
+ONE_LINE = (
+    "NodeName=node1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=2 CPUTot=2 Gres=(null) NodeAddr=10.1.0.7 "
+    "NodeHostName=node1 Version=22.05.8 OS=Linux 6.1.0 #1 SMP PREEMPT_DYNAMIC  RealMemory=23081 State=IDLE\n"
+    "NodeName=node2 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=2 CPUTot=2 Gres=(null) NodeAddr=10.1.0.8 "
+    "NodeHostName=node2 Port=6819 Version=22.05.8 OS=Linux 6.1.0 #1 SMP PREEMPT_DYNAMIC  RealMemory=23081\n")
+# `scontrol show node gpu-a` (the default multi-line form), a node configured with no NodeAddr
+MULTI_LINE = """NodeName=gpu-a Arch=x86_64 CoresPerSocket=16
+   CPUAlloc=0 CPUEfctv=64 CPUTot=64 CPULoad=0.01
+   NodeAddr=gpu-a NodeHostName=gpu-a Version=22.05.8
+   OS=Linux 5.15.0 #1 SMP
+
+NodeName=gpu-b Arch=x86_64 CoresPerSocket=16
+   NodeAddr=fd00::b NodeHostName=gpu-b Version=22.05.8
+"""
+
+
+def test_each_node_is_reached_at_its_nodeaddr():
+    assert node_addresses(["node1", "node2"], ONE_LINE) == {"node1": "10.1.0.7", "node2": "10.1.0.8"}
+    assert node_addresses(["gpu-b", "gpu-a"], MULTI_LINE) == {"gpu-b": "fd00::b", "gpu-a": "gpu-a"}
+
+
+def test_a_node_slurm_gives_no_address_keeps_its_name():
+    assert node_addresses(["node1", "node3"], ONE_LINE) == {"node1": "10.1.0.7", "node3": "node3"}
+    assert node_addresses(["node1"], "") == {"node1": "node1"}  # scontrol could not say
+    assert node_addresses(["n1"], "NodeName=n1 NodeAddr=(null) NodeHostName=n1") == {"n1": "n1"}
+    assert node_addresses(["n1"], "NodeName=n1 NodeHostName=n1 NodeAddr=") == {"n1": "n1"}
+    # a field that only ends in NodeAddr is not it
+    assert node_addresses(["n1"], "NodeName=n1 MyNodeAddr=10.0.0.1") == {"n1": "n1"}
+
+
+def test_launch_rendezvouses_at_the_first_nodes_address_and_says_so(tmp_path):
+    done = run_launch(tmp_path, "gpus=2", nodes=("node1", "node2"), show_node=ONE_LINE)
+    assert done.returncode == 0, done.stderr
+    port = 20000 + 4242
+    assert f"2 node(s) x 1 ranks, rendezvous 10.1.0.7:{port} (node1's NodeAddr)" in done.stdout
+    assert f"--rdzv-endpoint=10.1.0.7:{port}" in srun_arguments(tmp_path)
+
+
+def test_launch_falls_back_to_the_name_only_where_slurm_has_no_address(tmp_path):
+    done = run_launch(tmp_path, "gpus=2", nodes=("gpu-a", "gpu-b"), show_node=MULTI_LINE)
+    assert done.returncode == 0, done.stderr
+    assert "rendezvous gpu-a:24242 (gpu-a's name: Slurm gives it no NodeAddr)" in done.stdout
+    (tmp_path / "v6").mkdir()
+    done = run_launch(tmp_path / "v6", "gpus=1", nodes=("gpu-b",), show_node=MULTI_LINE)
+    assert "--rdzv-endpoint=[fd00::b]:24242" in srun_arguments(tmp_path / "v6")
+
+
+def test_each_nodes_torchrun_is_told_its_own_address(tmp_path):
+    """slurm/node.sh: torchrun's --local-addr (PET_LOCAL_ADDR) is this node's NodeAddr, the
+    address its ranks' peers connect to when it holds rank 0 (torch's default: the host's FQDN)."""
+    addrs = "node1=10.1.0.7 node2=10.1.0.8"
+    for node, expected in (("node1", "10.1.0.7"), ("node2", "10.1.0.8"), ("node3", "")):
+        env = {**os.environ, "ZERO_REPRO_NODE_ADDRS": addrs, "SLURMD_NODENAME": node}
+        env.pop("PET_LOCAL_ADDR", None)
+        done = subprocess.run([str(REPO / "slurm" / "node.sh"), "bash", "-c", 'echo "${PET_LOCAL_ADDR:-}"'],
+                              env=env, capture_output=True, text=True, timeout=30)
+        assert done.stdout.strip() == expected, node
