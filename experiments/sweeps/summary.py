@@ -9,7 +9,7 @@ from pathlib import Path
 
 from experiments import records
 from experiments.points import Point
-from experiments.reports.tables import peak_breakdown_gb
+from experiments.reports.tables import optimizer_step_of, peak_breakdown_gb
 from experiments.run.record import MEASURED_BY, simulated_path
 
 
@@ -113,7 +113,8 @@ def simulated_summary_row(r: dict, point: Point | None = None, rank: int = 0) ->
     return {
         "model": config["model"]["name"], "params_B": round(r.get("params", 0) / gb, 3), "gpus": config["gpus"],
         "tp": config["tp"], "dp": config["gpus"] // config["tp"], "stage": config["stage"],
-        "micro_batch": config["micro_batch"], "note": config["note"], "precision": r.get("precision"),
+        "micro_batch": config["micro_batch"], "optimizer_step": optimizer_step_of(config["zero"]),
+        "note": config["note"], "precision": r.get("precision"),
         "peak_GB": mem["peak_bytes"] / gb if "peak_bytes" in mem else None,
         # what the CUDA caching allocator would reserve for it (experiments/allocator's replay)
         "reserved_GB": mem["reserved_peak_bytes"] / gb if "reserved_peak_bytes" in mem else None,
@@ -151,15 +152,15 @@ def simulated_folder_summary_rows(points: list[Point], results_dir: Path, rank: 
 def simulated_summary_markdown(rows: list[dict]) -> str:
     def num(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
-    lines = ["| model | params (B) | GPUs | TP | DP | stage | ZeRO-R | micro-batch | peak (GB, simulated) "
+    lines = ["| model | params (B) | GPUs | TP | DP | stage | ZeRO-R | micro-batch | optimizer step | peak (GB, simulated) "
              "| reserved (GB) | fragmentation | states "
              "| activations | buffers | temporaries | analytic (GB) | + reserve | device | status | cause | DP comm/step "
              "| theory | TP comm/step | TP theory |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['params_B']:.3f} | {r['gpus']} | {r['tp']} | {r['dp']} | {r['stage']} | {r['zero_r']} "
-            f"| {r['micro_batch']} | {num(r['peak_GB'])} | {num(r['reserved_GB'])} | {num(r['fragmentation'], '{:.3f}')} "
+            f"| {r['micro_batch']} | {r['optimizer_step']} | {num(r['peak_GB'])} | {num(r['reserved_GB'])} | {num(r['fragmentation'], '{:.3f}')} "
             f"| {num(r['states_GB'])} | {num(r['activations_GB'])} "
             f"| {num(r['buffers_GB'])} | {num(r['temporaries_GB'])} | {num(r['analytic_GB'])} | {num(r['reserve_GB'])} "
             f"| {num(r['device_GB'], '{:.0f}')} | {r['status']} | {r['cause'] or '-'} "

@@ -10,7 +10,7 @@ from experiments.records import load_records
 from experiments.reports import scorecard, tables
 from experiments.sweeps.dry_run import dry_run
 from experiments.sweeps.largest import Search, rows_to_search
-from experiments.sweeps.summary import largest_markdown
+from experiments.sweeps.summary import largest_markdown, simulated_summary_markdown, simulated_summary_rows
 
 REFERENCE_RUNS = Path(__file__).resolve().parents[2] / "results" / "reference" / "runs"
 
@@ -19,14 +19,21 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def test_table2s_search_summary_names_each_baselines_optimizer_step(compose):
+def _table(markdown: str) -> list[dict[str, str]]:
+    header, _, *rows = markdown.splitlines()
+    return [dict(zip(_cells(header), _cells(row))) for row in rows]
+
+
+def test_table2s_summaries_name_each_baselines_optimizer_step(compose, tmp_path):
+    """Table 2 runs each baseline with a whole and a chunked optimizer step: the search's summary
+    and the simulated sweep's show which row is which."""
     points = expand(compose("experiment=table2", "simulate=true", "simulate_largest=true"))
     baselines = [row for row in rows_to_search(points) if row.stage == 0 and row.tp == 1]
-    lines = largest_markdown([Search(row).result() for row in baselines]).splitlines()
-    header = _cells(lines[0])
-    rows = [dict(zip(header, _cells(line))) for line in lines[2:]]
-    assert sorted(r["optimizer step"] for r in rows) == ["chunked", "whole"]
-    assert rows[0]["family (h, heads)"] == rows[1]["family (h, heads)"] and rows[0]["MP"] == rows[1]["MP"] == "1"
+    searched = _table(largest_markdown([Search(row).result() for row in baselines]))
+    assert sorted(r["optimizer step"] for r in searched) == ["chunked", "whole"]
+    assert searched[0]["family (h, heads)"] == searched[1]["family (h, heads)"] and searched[0]["MP"] == "1"
+    simulated = _table(simulated_summary_markdown(simulated_summary_rows(baselines, tmp_path)))
+    assert sorted(r["optimizer step"] for r in simulated) == ["chunked", "whole"]
 
 
 def test_a_predicted_throughput_names_the_system_it_models():
