@@ -8,6 +8,7 @@ validation on it, and stops there with one line if anything is wrong.
 from __future__ import annotations
 
 import difflib
+import gc
 import functools
 import itertools
 import os
@@ -99,6 +100,10 @@ def exit_on_interrupt(what: str) -> Callable:
                 return fn(*args, **kwargs)
             except KeyboardInterrupt:
                 print(f"\ninterrupted: {what}", file=sys.stderr)
+                # Leave now: Python's shutdown would first collect every object the run built
+                # (seconds after a simulation, long enough for a second Ctrl-C to break an atexit
+                # callback with a traceback); frozen objects are not collected
+                gc.freeze()
                 sys.exit(130)
         return run
     return wrap

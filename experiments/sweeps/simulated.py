@@ -3,9 +3,11 @@ in a child process of its own (experiments/run/fake.py plays one rank), a few at
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from experiments import records
 from experiments.launch import ChildPool
@@ -24,24 +26,41 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
     the CPU count); write each record to results_dir/simulated/<point_id>.json as it ends."""
     pool = ChildPool(workers, what="simulation")
     pending, started, out = list(points), {}, {}
-    while pending or pool.running:
-        while pending and pool.free:
-            point = pending.pop(0)
-            started[point.point_id] = (point, simulated_precision(point), records.now())
-            simulate = functools.partial(simulate_point, foreach=True if is_gpu_cluster(point) else None)
-            pool.submit(point.point_id, point.train["timeout_s"], simulate, point.as_dict(),
-                        started[point.point_id][1], rank)
-        for point_id, ok, payload in pool.finished():
-            point, precision, began = started[point_id]
-            result, error = (payload, None) if ok else (None, payload)
-            record = simulated_record(point, precision, result, error, began, rank)
-            if error and "timed out" in error:
-                record["status"] = "timeout"
-            records.write_record(simulated_path(results_dir, point, rank), record)
-            out[point_id] = record
-            if on_done:
-                on_done(point, record)
+
+    def write(point_id: str, result: dict | None, error: str | None) -> dict:
+        point, precision, began = started[point_id]
+        record = simulated_record(point, precision, result, error, began, rank)
+        if error and "timed out" in error:
+            record["status"] = "timeout"
+        records.write_record(simulated_path(results_dir, point, rank), record)
+        return record
+
+    try:
+        while pending or pool.running:
+            while pending and pool.free:
+                point = pending.pop(0)
+                started[point.point_id] = (point, simulated_precision(point), records.now())
+                simulate = functools.partial(simulate_point, foreach=True if is_gpu_cluster(point) else None)
+                pool.submit(point.point_id, point.train["timeout_s"], _deaf_to_ctrl_c, simulate, point.as_dict(),
+                            started[point.point_id][1], rank)
+            for point_id, ok, payload in pool.finished():
+                out[point_id] = write(point_id, payload if ok else None, None if ok else payload)
+                if on_done:
+                    on_done(started[point_id][0], out[point_id])
+    except KeyboardInterrupt:  # Ctrl-C: the running points' records say so (a re-run simulates them), then stop
+        for job in pool.running:
+            job.proc.kill()  # at once: a simulation does not stop for a signal it ignores
+            write(job.key, None, "interrupted by the user (Ctrl-C)")
+        raise
     return [out[p.point_id] for p in points]
+
+
+def _deaf_to_ctrl_c(fn: Callable[..., dict], *args) -> dict:
+    """fn(*args) in a simulation's child, which ignores Ctrl-C: the terminal sends it to the whole
+    process group, and the sweep answers it (it records the running points, then kills them);
+    a child interrupted midway would print its own traceback, and keep the sweep waiting."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return fn(*args)
 
 
 def done_record(results_dir: Path, point: Point, rank: int) -> dict | None:
