@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from experiments.reports.tables import micro_batches_per_step
+
 
 @dataclass
 class Counted:
@@ -24,11 +26,6 @@ class Counted:
     per_psi: list[float] = field(default_factory=list)     # data-parallel elements per step / Ψ
     vs_formula: list[float] = field(default_factory=list)  # those elements / the engine's formula for the record
     root_kept: list[float] = field(default_factory=list)   # stage 3: the root's second gather saved / Ψ
-
-
-def accumulated(record: dict) -> bool:
-    """True when the record's optimizer step accumulates more than one micro-batch."""
-    return int(record.get("config", {}).get("train", {}).get("grad_accum_steps") or 1) > 1
 
 
 def counted(records: list[dict], simulated: bool) -> tuple[dict[int, Counted], dict[int, int]]:
@@ -43,7 +40,7 @@ def counted(records: list[dict], simulated: bool) -> tuple[dict[int, Counted], d
             continue
         if (r.get("measured_by") == "simulated") != simulated:
             continue
-        if accumulated(r):
+        if micro_batches_per_step(r) > 1:
             left_out[r["stage"]] = left_out.get(r["stage"], 0) + 1
             continue
         comm, psi = r["comm"], r["params_per_gpu"]

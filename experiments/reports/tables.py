@@ -242,6 +242,11 @@ def memory_table(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def micro_batches_per_step(record: dict) -> int:
+    """The micro-batches the record's optimizer step accumulates (train.grad_accum_steps)."""
+    return int(record.get("config", {}).get("train", {}).get("grad_accum_steps") or 1)
+
+
 def comm_table(records: list[dict]) -> pd.DataFrame:
     """Elements moved per step against the paper's 2Ψ (stages 0-2) and 3Ψ (stage 3)."""
     rows = []
@@ -250,7 +255,10 @@ def comm_table(records: list[dict]) -> pd.DataFrame:
         psi = r.get("params_per_gpu") or None
         comm = r.get("comm", {})
         rows.append({"experiment": r["experiment"], "model": r["model"]["name"], "stage": STAGE_NAMES[r["stage"]],
-                     "nd": r["dp"], "psi": psi, "elements_per_step": comm.get("elements_per_step") if ok else None,
+                     "nd": r["dp"],
+                     # accumulated per optimizer step, each reducing the gradients: over 1, not Sec 7's per-step count
+                     "micro_batches": micro_batches_per_step(r),
+                     "psi": psi, "elements_per_step": comm.get("elements_per_step") if ok else None,
                      "theory": comm.get("theory_elements_per_step") if ok else None,
                      "per_psi": comm["elements_per_step"] / psi if ok and psi and r["dp"] > 1 else None,
                      "theory_per_psi": (3 if r["stage"] == 3 else 2) if r["dp"] > 1 else 0,

@@ -310,6 +310,8 @@ def test_the_scorecards_communication_rows_count_steps_of_one_micro_batch():
     stage2 = next(r for r in reference if r.get("measured_by") == "simulated" and r["stage"] == 2 and r["dp"] > 1
                   and r["status"] == "ok" and not r.get("zero_r_config", "").endswith("Pa"))
     with_plan = scorecard.scorecard(reference + [_accumulating(stage2, 8)] * 2).set_index("artefact")
+    comm = tables.comm_table([stage2, _accumulating(stage2, 8)])  # communication.md says why one moves 9Ψ
+    assert list(comm.micro_batches) == [1, 8] and list(comm.per_psi.round(2)) == [2.0, 9.0]
     row = with_plan.loc["Communication: Pos+g"]
     assert row.ours == card.loc["Communication: Pos+g"].ours + (
         "; 2 records accumulating micro-batches left out (the claim is per step of one micro-batch; they reduce "
