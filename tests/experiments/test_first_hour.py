@@ -242,3 +242,15 @@ def test_make_notebook_executes_the_figures_notebook_into_an_ignored_folder():
     assert f"nbformat.write(nb, '{written}')" in recipe
     assert subprocess.run(["git", "check-ignore", "-q", written], cwd=commands.REPO).returncode == 0
     assert "make notebook" in (commands.REPO / "docs" / "experiments.md").read_text()
+
+
+def test_a_simulated_experiments_report_points_the_prediction_check_at_the_cpu_records(tmp_path):
+    """After `make run`, `report.py experiment=fig2` (simulated records, no step times) says where
+    the prediction check runs, not "run `make run` first"."""
+    shutil.copytree(commands.REPO / "results" / "reference" / "runs" / "fig2", tmp_path / "fig2")
+    done = subprocess.run([sys.executable, "experiments/report.py", "experiment=fig2", f"results_dir={tmp_path}",
+                           f"out_dir={tmp_path / 'out'}"], cwd=commands.REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("prediction_check")]
+    assert "records are simulated" in line and line.endswith("experiments/report.py experiment=cpu_default")
+    assert "make run" not in done.stdout and "make calibrate" not in done.stdout
