@@ -3,11 +3,15 @@
 #
 #   slurm/launch.sh <Hydra overrides of experiments/train.py, including gpus=N>
 #
-# It checks the overrides (a bad one: status "invalid", exit 2, nothing started), then starts one
-# torchrun per node through srun, with c10d rendezvous on the allocation's first node, running
+# It checks the overrides and then the job against its allocation (gpus a multiple of the GPUs
+# per node, GPUS_PER_NODE matching the allocation, a results folder every node sees): bad input
+# is one line, status "invalid", exit 2, nothing started. Then it starts one torchrun per node
+# through srun (slurm/node.sh; each rank under slurm/rank.sh), with c10d rendezvous at the first
+# node's address as Slurm has it (NodeAddr: node names may resolve nowhere), running
 # experiments/train.py on gpus/nodes ranks per node. Records land in a folder of this job,
 # results/slurm/<job id>/, beside job_status.json, which is written however the job ends (ok,
-# invalid, fail, or timeout when Slurm ends the job at its time limit).
+# invalid, fail, or timeout when Slurm ends the job at its time limit). A rank that dies of a
+# signal ends the job at once (srun --kill-on-bad-exit); its record then names the rank and node.
 #
 # Time limits: the run_*.sh scripts ask Slurm for USR1 shortly before the limit (#SBATCH
 # --signal=B:USR1@<s>) and for --requeue. On USR1 this script creates $ZERO_REPRO_STOP_FILE; the
@@ -136,7 +140,8 @@ UNSEEN="$(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-
     _ "$JOB" "$MARKER" | sort | tr '\n' ' ')"
 rm -f "$MARKER"
 if [ -n "${UNSEEN// /}" ]; then
-    refuse "the results folder $JOB_DIR is not shared: ${UNSEEN% } cannot read what $HEAD wrote there; put it on a file system every node mounts (ZERO_REPRO_SLURM_RESULTS)"
+    refuse "the results folder $JOB_DIR is not shared: ${UNSEEN% } cannot read what $HEAD wrote there;\
+ put it on a file system every node mounts (ZERO_REPRO_SLURM_RESULTS)"
 fi
 
 PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))

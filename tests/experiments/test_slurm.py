@@ -236,10 +236,11 @@ def test_a_rank_killed_on_node_2_fails_the_job_at_once_naming_it(slurm, tmp_path
     state = wait_for_end(slurm, job, timeout=120)
     assert state["JobState"] == "FAILED" and time.monotonic() - killed < 120
     status = json.loads((tmp_path / job / "job_status.json").read_text())
-    assert status["status"] == "fail" and status["message"].startswith(f"rank {rank} on node2 died of signal 9 (SIGKILL)")
+    died = f"rank {rank} on node2 died of signal 9 (SIGKILL)"
+    assert status["status"] == "fail" and status["message"].startswith(died)
     [record] = load_records(tmp_path / job, "run_7b_zero2")
     assert record["status"] == "fail" and validate_record(record) == []
-    assert record["error"].startswith(f"rank {rank} on node2 died of signal 9 (SIGKILL) after step ")
+    assert record["error"].startswith(f"{died} after step ")
     assert record["resume"]["checkpoint"] and "resume from" in record["error"]
 
 

@@ -108,8 +108,9 @@ def test_the_slurm_launcher_with_no_controller_says_so_in_one_line(tmp_path):
         (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / tool).chmod(0o755)
     done = sweep_on_slurm(f"hydra.sweep.dir={tmp_path}/multirun", PATH=f"{bin_dir}:{os.environ['PATH']}")
-    assert done.returncode == 2 and done.stderr == ("error: hydra/launcher=slurm: no Slurm controller answers here "
-                                                    "(sinfo: sinfo: fatal: Could not establish a configuration source)\n")
+    assert done.returncode == 2 and done.stderr == (
+        "error: hydra/launcher=slurm: no Slurm controller answers here "
+        "(sinfo: sinfo: fatal: Could not establish a configuration source)\n")
 
 
 def test_the_slurm_launchers_tasks_must_be_the_points_gpus(tmp_path):
