@@ -18,7 +18,11 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    exported = export(argv[1], argv[2])
+    try:
+        exported = export(argv[1], argv[2])
+    except (ValueError, FileNotFoundError) as e:  # no manifest, or a file that differs from it (manifest.py)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"{argv[2]}: {len(exported)} tensors, "
           f"{sum(t.numel() for t in exported.values() if t.is_floating_point()):,} floating-point elements")
     return 0

@@ -304,6 +304,8 @@ def test_a_truncated_or_corrupt_shard_is_refused_by_name(tmp_path):
     shard.write_bytes(bytes(changed))
     with pytest.raises(ValueError, match=rf"file {shard} is corrupt: CRC-32"):
         checkpoint.load(build(stage=2), tmp_path / "step_1")
+    with pytest.raises(ValueError, match=rf"file {shard} is corrupt: CRC-32"):  # the export, in one process
+        checkpoint.export(tmp_path / "step_1")
     shard.write_bytes(whole)
     checkpoint.load(build(stage=2), tmp_path / "step_1")
 

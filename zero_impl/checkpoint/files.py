@@ -118,8 +118,10 @@ def _step_of(p: Path) -> int | None:
 def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
     """The model of a checkpoint as the bare model's state_dict() in fp32 (the masters' dtype:
     fp64 for precision "fp64"), in one process, no torch.distributed; loadable with
-    model.load_state_dict(); written with torch.save to `out` when given."""
+    model.load_state_dict(); written with torch.save to `out` when given. Refuses a checkpoint
+    whose files differ from its manifest, naming the first (manifest.verify)."""
     import torch.distributed.checkpoint as dcp
+    manifest.verify(path, alone=True)  # every file as the save wrote it, or refused by name
     metadata = dcp.FileSystemReader(path).read_metadata()
     sd = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()
           if k.startswith("model.")}

@@ -47,17 +47,19 @@ def is_complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def verify(path: Path, process_group=None) -> None:
-    """Check every file of the checkpoint at `path` against its manifest (on every rank, each
-    hashing its share); raise ValueError on every rank naming the first file that is missing,
+def verify(path: str | os.PathLike, process_group=None, alone: bool = False) -> None:
+    """Check every file of the checkpoint at `path` against its manifest, on every rank of the
+    group, each hashing its share (`alone`: this process checks them all, no collective, as
+    export does); raise ValueError on every rank naming the first file that is missing,
     truncated, longer or altered."""
+    path = Path(path)
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}): a save that did not finish?")
     listed = json.loads((path / MANIFEST).read_text())["files"]
     names = sorted(listed)
-    problems = {name: why for name in _share(names, process_group)
-                if (why := _differs(path / name, listed[name])) is not None}
-    found = {k: v for part in _gather(problems, process_group) for k, v in part.items()}
+    mine = names if alone else _share(names, process_group)
+    problems = {name: why for name in mine if (why := _differs(path / name, listed[name])) is not None}
+    found = {k: v for part in ([problems] if alone else _gather(problems, process_group)) for k, v in part.items()}
     if found:
         first = min(found)
         raise ValueError(f"checkpoint {path}: file {path / first} {found[first]}; the checkpoint is refused")
