@@ -65,9 +65,11 @@ reference-bench: compare
 	$(BIN)/python -m experiments.reports.pasted
 
 # The committed host time of one megatron-core layer (experiments/reports/host_ops.py --time), which
-# the step-time model's host constant is checked against.
+# the step-time model's host constant is checked against (validation_host_constants.md, the scorecard).
 reference-host-time: $(STAMP)
 	$(BIN)/python -m experiments.reports.host_ops --time --out $(REFERENCE_BENCH)/layer_host_time.csv
+	$(BIN)/python experiments/report.py results_dir=results/reference/runs out_dir=results/reference/reports
+	$(BIN)/python -m experiments.reports.pasted
 
 # This machine's profile for the step-time model (GEMMs, bandwidth, op floor, gloo; under 2 minutes):
 # results/calibration/<hostname>.yaml, generated and ignored by git; report.py's prediction check uses it.
