@@ -47,8 +47,12 @@ def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None)
         error = e.failures[failed[0]][0]
         raise OSError(f"checkpoint {path} was not saved: rank(s) {failed} failed to write it, rank {failed[0]}: "
                       f"{type(error).__name__}: {error}; the newest complete checkpoint beside it is unchanged") from None
-    manifest.write(tmp, metadata, process_group)
-    _barrier(process_group)  # the manifest is on disk before the folder gets its final name
+    try:
+        manifest.write(tmp, metadata, process_group)  # on disk on every rank's return: the folder may be renamed
+    except OSError:
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if first:
         old = path.with_name(path.name + ".old")
         if path.exists():

@@ -27,19 +27,32 @@ def write(path: Path, metadata, process_group=None) -> None:
     """After DCP's save into `path` returned `metadata` (every rank's files written and synced),
     on every rank: hash this rank's share of the files the metadata names (not a listing of the
     folder, which a shared file system may show late), and on the group's first rank write the
-    manifest, synced."""
+    manifest, synced, under its name only once whole. Returns on every rank once it is on disk;
+    if the first rank could not write it (a full disk), raises OSError on every rank."""
     files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
-    mine = {name: _describe(path / name) for name in _share(files, process_group)}
+    try:
+        mine: dict | str = {name: _describe(path / name) for name in _share(files, process_group)}
+    except OSError as e:  # told to every rank below, where they would otherwise wait for this one
+        mine = f"{type(e).__name__}: {e}"
     everyone = _gather(mine, process_group)
+    unread = next(((r, e) for r, e in enumerate(everyone) if isinstance(e, str)), None)
+    if unread is not None:
+        raise OSError(f"checkpoint {path}: rank {unread[0]} could not read back its share of the files: {unread[1]}")
+    error = None
     if rank(process_group) == 0:
         entries = {name: entry for part in everyone for name, entry in part.items()}
-        body = json.dumps({"format": FORMAT, "files": dict(sorted(entries.items()))}, indent=1)
-        fd = os.open(path / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, body.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            body = json.dumps({"format": FORMAT, "files": dict(sorted(entries.items()))}, indent=1)
+            with open(path / (MANIFEST + ".tmp"), "w") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path / (MANIFEST + ".tmp"), path / MANIFEST)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    first_rank_error = _gather(error, process_group)[0]  # every rank waits for the manifest here
+    if first_rank_error is not None:
+        raise OSError(f"checkpoint {path}: its manifest was not written on rank 0: {first_rank_error}")
 
 
 def is_complete(path: Path) -> bool:
