@@ -81,15 +81,16 @@ def _predicted(figure: str) -> Callable[[list[dict]], dict[str, pd.DataFrame]]:
     return build
 
 
+# The paper's figures the step-time model predicts (reports/predictions.py), each an experiment.
+PREDICTED = ("fig2", "fig3", "fig4", "fig8")
 # The paper artefacts each experiment names (conf/experiment/<name>.yaml, `paper` and
 # `description`), which its folder holds beside its records' tables: Table 1 from the memory
 # model, Table 2 with its searches, and a figure's points as the step-time model predicts them.
 ARTEFACT_TABLES: dict[str, Callable[[list[dict]], dict[str, pd.DataFrame]]] = {
     "table1": lambda records: table1_tables(), "table2": lambda records: {"table2": tables.table2(records)},
-    **{figure: _predicted(figure) for figure in ("fig2", "fig3", "fig4", "fig8")}}
+    **{figure: _predicted(figure) for figure in PREDICTED}}
 # The model's predicted figures: the whole set's report draws them all, an experiment's folder its own.
-PREDICTED_FIGURES = {"fig2_predicted": "fig2", "fig3_predicted": "fig3", "fig4_predicted": "fig4",
-                     "fig8_predicted": "fig8"}
+PREDICTED_FIGURES = {f"{figure}_predicted": figure for figure in PREDICTED}
 
 
 def experiment_tables(records: list[dict], experiment: str) -> dict[str, pd.DataFrame]:
