@@ -53,7 +53,7 @@ def counted(records: list[dict], simulated: bool) -> tuple[dict[int, Counted], d
     return out, left_out
 
 
-def fmt_range(values: list[float]) -> str:
+def _fmt_range(values: list[float]) -> str:
     return f"{min(values):.4f}" if max(values) - min(values) < 5e-5 else f"{min(values):.4f}-{max(values):.4f}"
 
 
@@ -75,11 +75,11 @@ def comm_claim(records: list[dict], stage: int, theory: int) -> tuple[str, str, 
         c = sources[simulated][0].get(stage)
         if c is None:
             continue
-        ours = f"{fmt_range(c.per_psi)}Ψ per step (stage {stage})"
+        ours = f"{_fmt_range(c.per_psi)}Ψ per step (stage {stage})"
         if stage == 3 and max(c.root_kept) > 0:
-            ours += (f": 3Ψ less the root unit's second gather, {fmt_range(c.root_kept)}Ψ here, which "
+            ours += (f": 3Ψ less the root unit's second gather, {_fmt_range(c.root_kept)}Ψ here, which "
                      "stage3_keep_root (the default) saves; stage3_keep_root=false gives 3Ψ")
-        how = (f"{source}; {fmt_range(c.vs_formula)}x the engine's formula for each record"
+        how = (f"{source}; {_fmt_range(c.vs_formula)}x the engine's formula for each record"
                + (" (3Ψ less the root kept gathered)" if stage == 3 else "") + f"; the paper's {theory}Ψ")
         return ours + _left_out(left_out), kind, how
     return f"{theory}Ψ" + _left_out(left_out), "formula", "Sec 7 volumes; no records with DP > 1 given to this report"
