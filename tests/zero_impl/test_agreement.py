@@ -122,3 +122,37 @@ def test_stage3_branch_only_one_rank_takes_is_refused_naming_the_parameter():
         spawn(_branch, 2, (0,), timeout=60)
     both = spawn(_branch, 2, (0, 1), timeout=60)  # a branch every rank takes trains as usual
     assert max_abs_diff(both[0], both[1]) == 0.0
+
+
+class _RootBranchy(nn.Module):
+    """The branch outside the layers: its parameters are the root unit's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        take = bool(x[0, 0] > 0)
+        x = self.embed(x)
+        x = x + self.extra(x) if take else x
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _root_branch(stage: int) -> dict:
+    torch.manual_seed(0)
+    engine = zero_impl.initialize(_RootBranchy(), zero_impl.ZeroConfig(stage=stage), optimizer=adamw)
+    x = torch.randn(4, 8).abs() * (1 if dist.get_rank() == 0 else -1)
+    for _ in range(3):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return engine.full_parameters()
+
+
+def test_stage3_branch_in_the_root_unit_trains_as_stage_0():
+    """The root is reduced last, at the end of backward on every rank: a branch there keeps the
+    ranks' collectives in one order, and its gradient is zero where it was skipped."""
+    stage0, stage3 = spawn(_root_branch, 2, 0, timeout=60), spawn(_root_branch, 2, 3, timeout=60)
+    assert max_abs_diff(stage0[0], stage3[0]) == 0.0 and max_abs_diff(stage3[0], stage3[1]) == 0.0
