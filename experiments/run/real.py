@@ -79,7 +79,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     if t["resume"] and root is not None:
         latest = zero_impl.checkpoint.latest(root)
         if dist.get_rank() == 0:
-            print(_resume_line(root, latest), flush=True)
+            print(_resuming_from(root, latest), flush=True)
         if latest is not None:
             saved = resumed_from = str(latest)
             progress = zero_impl.checkpoint.load(engine, saved)
@@ -146,7 +146,7 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
                        "resumed_step": start if resumed_from else None}}
 
 
-def _resume_line(root: Path, latest: Path | None) -> str:
+def _resuming_from(root: Path, latest: Path | None) -> str:
     """What train.resume starts from, in one line: the newest complete checkpoint and the
     unfinished saves after it that it passes over (a save killed or failed midway)."""
     skipped = zero_impl.checkpoint.unfinished(root)
