@@ -120,9 +120,10 @@ class Candidate:
     @property
     def peak(self) -> float:
         """What must fit: the reserved peak (module docstring, 3.), or the tensor peak when unconfirmed.
-        A replay that ran out of memory stopped at the device, short of what the run needs: that is
-        its replay on an unbounded device (run/reserved.py), over the limit as the replay decided
-        (else a row would not fit with headroom left, reserving less than its tensors)."""
+        A replay that ran out of memory stopped at the device, short of what the run needs: the row
+        shows its replay on an unbounded device (run/reserved.py: the cache's high-water mark with
+        no retry, an upper reading), at least its tensors and over the limit, as the replay decided
+        (else a row would not fit with headroom left, or reserve less than its tensors)."""
         replayed = self.replayed
         if replayed is not None and replayed["oom"]:
             return max(self.reserved["unbounded"]["reserved_peak_bytes"], self.tensor_peak, self.limit + 1)
