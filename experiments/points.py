@@ -48,11 +48,12 @@ LAUNCHERS = ("auto", "fork", "spawn", "torchrun")
 # they existed: there they stay out of a point's hash, so the ids of earlier records still hold
 # (literals: a later change of a default must not remap ids). optimizer_bucket_size: None is the
 # whole-shard step of before; at its default 4e7 a point has a new id, as its peak may differ.
+# stage3_keep_root joined the schema after the engine's default (True) had made the reference records.
 LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
                        "contiguous_memory_optimization": False, "number_checkpoints": None,
                        "optimizer_bucket_size": None, "force_collectives": False, "loss_scale": 0.0,
                        "initial_scale_power": 16, "loss_scale_window": 1000, "min_loss_scale": 1.0, "hysteresis": 1,
-                       "consecutive_hysteresis": False}
+                       "consecutive_hysteresis": False, "stage3_keep_root": True}
 # engine knobs that choose how gloo moves the same bytes, not what a point is: outside its hash
 # (the record's resolved config keeps them)
 UNHASHED_KNOBS = ("gloo_point_to_point",)

@@ -69,6 +69,7 @@ class ZeroSettings:
     stage3_max_live_units: int = ZeroConfig.stage3_max_live_units
     stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
     stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
+    stage3_keep_root: bool = ZeroConfig.stage3_keep_root  # false: the paper's schedule, every unit gathered twice (3Ψ)
     force_collectives: bool = ZeroConfig.force_collectives  # collectives even at world 1 (make gpu-check)
     gloo_point_to_point: bool = ZeroConfig.gloo_point_to_point  # gloo: exchanges for reduce-scatters, all-gathers
     # fp16's loss scaling (a DeepSpeed JSON's fp16 block sets them; DeepSpeed's hysteresis is 2)

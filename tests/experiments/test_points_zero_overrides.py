@@ -46,3 +46,15 @@ def _table2_with_first_point(compose, **changes):
     cfg = compose("experiment=table2", "dry_run=true")
     OmegaConf.update(cfg, "experiment.points", [dict(OmegaConf.to_container(cfg.experiment.points[0]), **changes)])
     return cfg
+
+
+def test_stage3_keep_root_is_a_key_and_false_is_another_point(compose):
+    """zero.stage3_keep_root=false (the paper's schedule, 3Ψ) is accepted from the command line and
+    is another point than the default, whose id stays the one its committed records carry."""
+    from experiments.points import expand
+    default, kept, paper = (expand(compose("model=tiny_s", "stage=3", "gpus=2", *extra))[0]
+                            for extra in ((), ("zero.stage3_keep_root=true",), ("zero.stage3_keep_root=false",)))
+    assert default.zero["stage3_keep_root"] is True and paper.zero["stage3_keep_root"] is False
+    assert default.point_id == kept.point_id != paper.point_id
+    config = zero_impl.ZeroConfig(stage=3, **paper.zero)
+    assert config.stage3_keep_root is False
