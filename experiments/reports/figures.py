@@ -17,7 +17,8 @@ from matplotlib.ticker import NullLocator  # noqa: E402
 
 from experiments.analysis.memory import model_state_bytes  # noqa: E402
 
-from .tables import STAGE_NAMES, paper_throughput  # noqa: E402
+from .comm_claims import counted  # noqa: E402
+from .tables import STAGE_NAMES, micro_batches_per_step, paper_throughput  # noqa: E402
 
 FLOPS_NOTE = "model FLOPs: Narayanan et al. Eq. 3, c = 4 with recomputation, 3 without"
 STAGE_COLORS = {"baseline DP": "tab:gray", "Pos": "tab:blue", "Pos+g": "tab:orange", "Pos+g+p": "tab:green"}
@@ -322,28 +323,38 @@ def _stack(ax, bars: list[tuple[str, int]], values: list[dict[str, float]]) -> N
 
 
 def communication(records: list[dict]) -> Figure:
-    """Elements moved per step, in units of Ψ, per stage: measured against 2Ψ / 3Ψ."""
+    """Elements moved per step, in units of Ψ, per stage: measured against the paper's 2Ψ / 3Ψ and
+    against the engine's own formula for each record (stage 3: 3Ψ less the root unit's second gather
+    that stage3_keep_root saves). The records are the claims' (reports/comm_claims.py): steps of
+    one micro-batch, at DP > 1."""
     fig, (ax, detail) = _two_panels("Communication per training step (elements handed to torch.distributed)", records)
-    ok = [r for r in _ok(records) if r["dp"] > 1 and r["params_per_gpu"]]
+    by_stage, left_out = counted(_ok(records), simulated=False)
+    ok = [r for r in _ok(records) if r["dp"] > 1 and r["params_per_gpu"] and micro_batches_per_step(r) == 1]
     ax.set_title("measured (dots) vs the paper's 2Ψ, 2Ψ, 2Ψ, 3Ψ (bars)")
-    detail.set_title("per record")
+    detail.set_title("per record" + (f" ({sum(left_out.values())} accumulating micro-batches left out)"
+                                     if left_out else ""))
     if not ok:
         for panel in (ax, detail):
-            _empty(panel, "no ok records with DP > 1")
+            _empty(panel, "no ok records with DP > 1 and one micro-batch a step")
         return fig
+    for stage, c in sorted(by_stage.items()):
+        color = STAGE_COLORS[STAGE_NAMES[stage]]
+        ax.scatter([stage] * len(c.per_psi), c.per_psi, color=color, zorder=3)
+        if c.root_kept and max(c.root_kept) > 0:  # the engine's formula for each record, where it is not 3Ψ
+            ax.scatter([stage] * len(c.root_kept), [3 - k for k in c.root_kept], marker="_", s=300, color="0.3",
+                       zorder=2, label="3Ψ less the root's second gather")
     for stage in range(4):
-        ys = [r["comm"]["elements_per_step"] / r["params_per_gpu"] for r in ok if r["stage"] == stage]
-        ax.scatter([stage] * len(ys), ys, color=STAGE_COLORS[STAGE_NAMES[stage]], zorder=3)
         ax.hlines(3 if stage == 3 else 2, stage - 0.3, stage + 0.3, color="k", lw=2)
         pts = sorted((r["dp"], r["comm"]["elements_per_step"]) for r in ok if r["stage"] == stage)
         if pts:
             detail.plot(*zip(*pts), "o", color=STAGE_COLORS[STAGE_NAMES[stage]], label=STAGE_NAMES[stage])
     ax.set_xticks(range(4), [STAGE_NAMES[s] for s in range(4)])
     ax.set(ylabel="elements per step / Ψ")
-    if any(r["comm"]["elements_per_step"] < 2.99 * r["params_per_gpu"] for r in ok if r["stage"] == 3):
+    if any(max(c.root_kept, default=0) > 0 for c in by_stage.values()):
         ax.set_title("measured (dots) vs the paper's 2Ψ, 2Ψ, 2Ψ, 3Ψ (bars); Pos+g+p under 3Ψ: the engine's\n"
                      "default gathers the root unit once a step (stage3_keep_root); "
                      "zero.stage3_keep_root=false moves 3Ψ", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
     _headroom(ax, 0.15)
     _log_axis(detail.yaxis, [r["comm"]["elements_per_step"] for r in ok])
     detail.set_xticks(sorted({r["dp"] for r in ok}))
