@@ -4,11 +4,11 @@
 # segfault), a line naming its rank and node in $ZERO_REPRO_RANK_DIED, which launch.sh puts in
 # the point's record: a rank killed outright records nothing itself, and its node's torchrun and
 # then srun end every other rank, rank 0 included, before rank 0 could record it. Only the first
-# death is kept (noclobber): the ranks ended after it die of signals too.
+# death is kept (noclobber), and none by TERM: that is how torchrun and srun end the other ranks.
 "$@"
 code=$?
-if (( code > 128 )) && [ -n "${ZERO_REPRO_RANK_DIED:-}" ]; then
-    signal=$(( code - 128 ))
+signal=$(( code - 128 ))
+if (( signal > 0 )) && [ "$signal" -ne "$(kill -l TERM)" ] && [ -n "${ZERO_REPRO_RANK_DIED:-}" ]; then
     (set -o noclobber
      echo "rank ${RANK:-?} on ${SLURMD_NODENAME:-$(hostname -s)} died of signal $signal (SIG$(kill -l "$signal"))" \
          > "$ZERO_REPRO_RANK_DIED") 2>/dev/null
