@@ -102,16 +102,17 @@ def test_worlds_measured_only_where_the_cores_run_them(monkeypatch):
         assert calibration_profile.runnable_worlds() == worlds
 
 
-def _record(name: str, host: str = "testhost") -> dict:
-    r = json.loads((REFERENCE / name).read_text())
+def _record(prefix: str, host: str = "testhost") -> dict:
+    """The committed reference record of a point, by its readable axes (its id's hash follows the config)."""
+    (path,) = REFERENCE.glob(f"{prefix}-*.json")
+    r = json.loads(path.read_text())
     r["hardware"] = {**r["hardware"], "host": host}
     return r
 
 
 def test_prediction_check_table_from_fixture_records_and_profile(monkeypatch):
-    g1, g2, g4 = (_record(f) for f in ("tiny_s-s2-g1-tp1-mb4-74a5468b.json", "tiny_s-s2-g2-tp1-mb4-806faeaf.json",
-                                       "tiny_s-s2-g4-tp1-mb4-112524ec.json"))
-    other_host = _record("tiny_m-s2-g1-tp1-mb4-ddb9889b.json", host="elsewhere")
+    g1, g2, g4 = (_record(f"tiny_s-s2-g{g}-tp1-mb4") for g in (1, 2, 4))
+    other_host = _record("tiny_m-s2-g1-tp1-mb4", host="elsewhere")
     simulated = {**copy.deepcopy(g1), "measured_by": "simulated"}
     g1["step_time_s"], g2["step_time_s"] = 0.02, 0.04
     predicted = {1: 0.03, 2: 0.02}  # per world: ratios 1.5 and 0.5
