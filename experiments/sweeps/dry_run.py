@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from experiments.models.gpt_shape import parameter_count
-from experiments.points import Point, local_devices, predicted_memory_bytes
+from experiments.points import ConfigError, Point, check_host_memory, local_devices, predicted_memory_bytes
 from experiments.sweeps.summary import format_bytes
 
 
@@ -26,7 +26,7 @@ def dry_run(points: list[Point]) -> None:
         predicted = predicted_memory_bytes(p, precision)
         device_gb = p.cluster["device_memory_gb"]
         fits = "-" if device_gb is None else ("yes" if predicted["total"] <= device_gb * 1e9 else "no")
-        here = "yes" if p.gpus <= local_devices(p.cluster)[0] else "no"
+        here = _runnable_here(p)
         print(f"| {p.point_id} | {p.shape.layers} | {p.shape.hidden} | {p.shape.heads} "
               f"| {parameter_count(p.shape, p.tp) / 1e9:.3f} | {p.gpus} "
               f"| {p.tp} | {p.dp} | {p.stage} | {p.global_batch} | {p.micro_batch} "
@@ -37,3 +37,16 @@ def dry_run(points: list[Point]) -> None:
     print("'fits (analytic)' is an estimate from formulas: the simulation decides (simulate=true plays rank 0 at the "
           "point's world size on fake tensors and replays what PyTorch's caching allocator would reserve, "
           "fragmentation included)")
+
+
+def _runnable_here(point: Point) -> str:
+    """Whether sweep.py could run the point for real on this machine: enough devices (or CPU
+    ranks), and on CPU its predicted memory per process within what the host has available, the
+    check a real run makes before it builds anything (points.check_host_memory)."""
+    if point.gpus > local_devices(point.cluster)[0]:
+        return "no (devices)"
+    try:
+        check_host_memory(point, ranks_here=point.gpus)
+    except ConfigError:
+        return "no (host memory)"
+    return "yes"

@@ -54,3 +54,14 @@ def test_a_sweep_records_a_refused_point_invalid_and_goes_on(compose, tmp_path, 
     monkeypatch.setattr(local, "print_summary", lambda rows: None)
     local.run_local_sweep(sweep, tmp_path, "fork", False, "cpu_default", ignore_host_memory=True)
     assert ran == sweep
+
+
+def test_the_dry_run_says_a_point_that_the_host_cannot_hold_is_not_runnable_here(compose, capsys, monkeypatch):
+    """dry_run=true's 'runnable here' makes the same host check as a real run: fig4_13b on one CPU
+    rank (about 208 GB) is not runnable on a host with 24 GB available; tiny_s is."""
+    from experiments.sweeps.dry_run import dry_run
+    monkeypatch.setattr(points, "host_available_bytes", lambda: 24 * 10**9)
+    dry_run(expand(compose("model=fig4_13b", "gpus=[1]", "stage=2", "dry_run=true"))
+            + expand(compose("model=tiny_s", "gpus=[1]", "stage=2", "dry_run=true")))
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| fig4_13b") or line.startswith("| tiny_s")]
+    assert [row.rstrip(" |").rsplit("| ", 1)[1] for row in rows] == ["no (host memory)", "yes"]

@@ -184,7 +184,7 @@ def test_dry_run_cli_lists_paper_points_with_predicted_memory():
     big = next(line for line in run_sweep_cli("experiment=fig2", "dry_run=true", timeout=120).stdout.splitlines()
                if line.startswith("| fig2_100b-s2-g400-tp16-mb32"))
     # ZeRO-100B's C4: Pa keeps 1/16 of the 67 GB of activation checkpoints, so it fits; not runnable here
-    assert big.rstrip(" |").endswith("| yes | no")
+    assert big.rstrip(" |").endswith("| yes | no (devices)")
 
 
 def test_paper_shapes_all_have_a_model_config():
