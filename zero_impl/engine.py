@@ -78,7 +78,7 @@ class ZeroEngine(nn.Module):
             config.overlap_comm, device,
             on_bucket_complete=self.params.on_gradients_complete if config.stage == 3 else None)
         if config.stage == 3:
-            self.params.without_gradient = weakref.WeakMethod(self.grads.without_gradient)
+            self.params.report_unused = weakref.WeakMethod(self.grads.report_unused)
         shards = [OwnedShard(b, *self.params.owned_range(b), param=self.params.shard_view(b),
                              grad=self.grads.shard_grads[b.index], initial=self.params.initial_masters(b))
                   for b in self.params.buckets]

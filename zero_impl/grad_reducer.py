@@ -140,18 +140,27 @@ class BucketedGradReducer:
         self.written.add(id(param))
         param.grad = None
         if self.reducing and id(param) not in self.reported:
-            self.reported.add(id(param))
-            self.pending[slot.bucket] -= 1
-            if self.pending[slot.bucket] == 0 and self.on_bucket_complete is not None:
-                self.on_bucket_complete(slot.bucket)
-            while self.next_launch < len(self.buckets) and self.pending[self.next_launch] <= 0:
-                self._launch(self.buckets[self.next_launch])
-                self.next_launch += 1
+            self._report(slot)
 
-    def without_gradient(self, bucket_index: int) -> list[str]:
-        """Names of the bucket's trainable parameters that got no gradient in this backward yet."""
-        return [s.name for s in self.buckets[bucket_index].slots
-                if s.param.requires_grad and id(s.param) not in self.reported]
+    def _report(self, slot: Slot) -> None:
+        """`slot`'s gradient is in its bucket: launch every bucket now complete, in bucket order."""
+        self.reported.add(id(slot.param))
+        self.pending[slot.bucket] -= 1
+        if self.pending[slot.bucket] == 0 and self.on_bucket_complete is not None:
+            self.on_bucket_complete(slot.bucket)
+        while self.next_launch < len(self.buckets) and self.pending[self.next_launch] <= 0:
+            self._launch(self.buckets[self.next_launch])
+            self.next_launch += 1
+
+    def report_unused(self, bucket_index: int) -> None:
+        """Stage 3, once a unit's backward is over: its trainable parameters that got no gradient
+        (a branch this rank skipped) count as reported with a zero gradient (_zero_unwritten), so
+        the bucket is reduced here, at the same point of every rank's collective order. A real
+        gradient arriving later still raises in _on_grad (its bucket was reduced)."""
+        if self.reducing:
+            for s in self.buckets[bucket_index].slots:
+                if s.param.requires_grad and id(s.param) not in self.reported:
+                    self._report(s)
 
     def _staging_for(self, bucket: Bucket) -> torch.Tensor:
         """Stages 2-3: the bucket's staging buffer, its padding zeroed (gradients are copied in)."""

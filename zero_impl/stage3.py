@@ -16,7 +16,9 @@ Schedule, as in PyTorch FSDP2 (`torch/distributed/fsdp/_fully_shard/`):
   units before it (the next in backward order) are prefetched;
 - backward is over for a unit when every trainable parameter has its gradient (the reducer
   then reduce-scatters the unit's gradient into this rank's shard, grad_reducer.py) and the
-  gradients of its inputs are computed (stage3_signals.py): the unit is released.
+  gradients of its inputs are computed (stage3_signals.py): the unit is released. A trainable
+  parameter still without a gradient then (a branch this rank skipped) is reduced as zeros, there,
+  so every rank issues the unit's reduce-scatter at the same point of its schedule.
 The root unit stays gathered from its forward to its backward (stage3_keep_root, as FSDP2 keeps
 its root: backward begins with it, so releasing it would gather it again at once), unless the
 forward ran without gradients; a root kept by a forward no backward followed is released at the
@@ -73,9 +75,9 @@ class Stage3Params:
         self.passes, self.pass_kind = 0, None  # passes begun (all forwards between two backwards: one)
         self.gathers = {key: {"prefetched": 0, "on_demand": 0} for key in ("forward", "backward", "total")}
         self._fp32_shards = [self._initial_shard(u, model, param_init_fn) for u in self.units]
-        # the reducer's names of a bucket's parameters without a gradient yet, held weakly (the
-        # reducer holds this object): the engine sets it to a WeakMethod
-        self.without_gradient: Callable[[], Callable[[int], list[str]]] | None = None
+        # the reducer's report_unused, held weakly (the reducer holds this object): the engine
+        # sets it to a WeakMethod
+        self.report_unused: Callable[[], Callable[[int], None]] | None = None
         self.handles = []  # hooks hold a unit's index and this object weakly (hooks.py)
         for unit in root + layers_reversed:
             index = self.units.index(unit)
@@ -235,24 +237,22 @@ class Stage3Params:
         """Autograd computed the gradients of the unit's inputs (stage3_signals.py)."""
         unit = self.units[index]
         unit.inputs_pending = max(0, unit.inputs_pending - 1)
-        if self.in_backward and not unit.inputs_pending and not unit.grads_done and self.comm.size > 1:
-            self._refuse_unused(unit)
+        if self.in_backward and not unit.inputs_pending and not unit.grads_done:
+            self._report_unused(unit)
         self._release_if_done(unit)
 
-    def _refuse_unused(self, unit: Unit) -> None:
+    def _report_unused(self, unit: Unit) -> None:
         """The unit's backward is over and a trainable parameter of it got no gradient: a branch
-        this rank skipped. Another rank that took it reduce-scatters the unit now, this one only
-        at the end of backward, and in between the two issue other gathers: their collectives no
-        longer match and would hang (or, equal in size, mix). Raised here, before this rank
-        issues a collective out of order. A unit's parameters all get their gradients before its
-        inputs' (autograd runs a parameter's AccumulateGrad first; one shared with another unit
-        is the root's), so a rank that used them all never gets here."""
-        names = [n for b in unit.buckets for n in self.without_gradient()(b.index)]
-        raise RuntimeError(f"stage 3: parameter {names[0]!r} got no gradient in this backward on DP rank "
-                           f"{self.comm.rank}, though its unit {unit.name} ran: a parameter that some ranks use and "
-                           "others skip (a data-dependent branch) would order the ranks' collectives differently and "
-                           "hang; use every parameter of a unit on every rank (multiply a skipped branch by zero), "
-                           "or train this model at stage 0-2")
+        this rank skipped, or a parameter no rank uses. Left pending, the bucket would be reduced
+        only at the end of backward here and now on a rank that took the branch, with other
+        gathers in between: the ranks' collectives would part ways (a hang on NCCL). Reported
+        now with a zero gradient, it is reduced at this same point on every rank, and the
+        gradient is the ranks' average with zeros, as at stages 0-2 and under DDP's
+        find_unused_parameters. A unit's parameters all get their gradients before its inputs'
+        (autograd runs a parameter's AccumulateGrad first; one shared with another unit is the
+        root's), so no real gradient is lost."""
+        for b in unit.buckets:
+            self.report_unused()(b.index)
 
     def on_gradients_complete(self, bucket_index: int) -> None:
         """Every trainable parameter of the unit has its gradient (the reducer's signal)."""
