@@ -1,8 +1,8 @@
 """Ranks that agree before they train: one config, one model, the same starting values.
 
 Every collective of the engine assumes that the data-parallel ranks built the same thing: the
-same ZeroConfig (bucket sizes set the collectives' sizes and count), the same parameters by name
-and shape (the flat layout), and the same values (each rank updates its shard of one model).
+same ZeroConfig (bucket sizes set the collectives' sizes and count), the same parameters and
+buffers by name, shape and order (the flat layout; one broadcast each), and the same values (each rank updates its shard of one model).
 Nothing in torch checks this, and a difference either hangs in a collective whose sizes differ
 or trains silently wrong (a model mixed from every rank's shards). So initialize() checks the
 first two, at the cost of one all_gather_object of a short digest, and refuses in one line
@@ -25,36 +25,44 @@ from .config import ZeroConfig
 
 
 def check(config: ZeroConfig, module: nn.Module, comm: Communicator, device: torch.device) -> None:
-    """Raise ValueError on every rank of `comm`'s group, naming the first ZeroConfig key or the
-    first parameter (name, shape, dtype, trainable, on the meta device) whose value differs
-    between its first rank and another; collective on the group, a no-op for a world of one."""
+    """Raise ValueError on every rank of `comm`'s group, naming the first ZeroConfig key, or the
+    first parameter or buffer (name, shape, dtype, trainable, on the meta device, and order: each
+    is laid out and broadcast in order), whose value differs between its first rank and another;
+    collective on the group, a no-op for a world of one."""
     if not _checked(comm):
         return
     settings = {f.name: getattr(config, f.name) for f in fields(config)}
-    params = [_describe(p) for p in module.named_parameters()]
-    mine = {"config": settings, "params": hashlib.sha1(repr(params).encode()).hexdigest()}
+    tensors = [*(_describe("parameter", *named) for named in module.named_parameters()),
+               *(_describe("buffer", *named) for named in module.named_buffers())]
+    mine = {"config": settings, "tensors": hashlib.sha1(repr(tensors).encode()).hexdigest()}
     everyone = _all_gather_object(mine, comm, device)
     for rank, theirs in enumerate(everyone[1:], start=1):
         for key, value in settings.items():  # the same keys everywhere: one version of zero_impl
             if everyone[0]["config"][key] != theirs["config"][key]:
                 raise ValueError(f"ranks disagree on ZeroConfig.{key}: {everyone[0]['config'][key]!r} on DP rank 0, "
                                  f"{theirs['config'][key]!r} on DP rank {rank}")
-    if all(e["params"] == mine["params"] for e in everyone):
+    if all(e["tensors"] == mine["tensors"] for e in everyone):
         return
-    lists = _all_gather_object(params, comm, device)  # every rank sees the mismatch: all take this path
-    first = dict(lists[0])
+    lists = _all_gather_object(tensors, comm, device)  # every rank sees the mismatch: all take this path
     for rank, theirs in enumerate(lists[1:], start=1):
-        if theirs == lists[0]:
-            continue
-        for name, described in theirs:
-            if name not in first:
-                raise ValueError(f"ranks disagree on the model: parameter {name!r} is on DP rank {rank}, "
-                                 "not on DP rank 0")
-            if first[name] != described:
-                raise ValueError(f"ranks disagree on the model: parameter {name!r} is {_say(first[name])} on DP "
-                                 f"rank 0, {_say(described)} on DP rank {rank}")
-        missing = next(name for name, _ in lists[0] if name not in dict(theirs))
-        raise ValueError(f"ranks disagree on the model: parameter {missing!r} is on DP rank 0, not on DP rank {rank}")
+        if theirs != lists[0]:
+            raise ValueError(f"ranks disagree on the model: {_difference(lists[0], theirs, rank)}")
+
+
+def _difference(first: list[tuple[str, tuple]], theirs: list[tuple[str, tuple]], rank: int) -> str:
+    """The first difference between DP rank 0's described tensors and DP rank `rank`'s."""
+    ours, other = dict(first), dict(theirs)
+    for label, described in theirs:
+        if label not in ours:
+            return f"{label} is on DP rank {rank}, not on DP rank 0"
+        if ours[label] != described:
+            return f"{label} is {_say(ours[label])} on DP rank 0, {_say(described)} on DP rank {rank}"
+    for label, _ in first:
+        if label not in other:
+            return f"{label} is on DP rank 0, not on DP rank {rank}"
+    index = next(i for i, (a, b) in enumerate(zip(first, theirs)) if a[0] != b[0])
+    return (f"registered in another order: number {index} is {first[index][0]} on DP rank 0, "
+            f"{theirs[index][0]} on DP rank {rank}")
 
 
 def broadcast_states(module: nn.Module, comm: Communicator) -> None:
@@ -86,14 +94,14 @@ def _checked(comm: Communicator) -> bool:
     return comm.size > 1 and dist.get_backend(comm.group) != "fake"
 
 
-def _describe(named: tuple[str, nn.Parameter]) -> tuple[str, tuple]:
-    name, p = named
-    return name, (tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad, p.is_meta)
+def _describe(kind: str, name: str, t: torch.Tensor) -> tuple[str, tuple]:
+    trainable = t.requires_grad if kind == "parameter" else None
+    return f"{kind} {name!r}", (tuple(t.shape), str(t.dtype).removeprefix("torch."), trainable, t.is_meta)
 
 
 def _say(described: tuple) -> str:
     shape, dtype, trainable, meta = described
-    return f"{shape} {dtype}{'' if trainable else ' frozen'}{' on the meta device' if meta else ''}"
+    return f"{shape} {dtype}{' frozen' if trainable is False else ''}{' on the meta device' if meta else ''}"
 
 
 def _all_gather_object(obj, comm: Communicator, device: torch.device) -> list:

@@ -62,9 +62,22 @@ class _Plain(nn.Module):
         return x
 
 
+class _Ordered(nn.Module):
+    """The same two parameters, registered in the order `first` says."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__()
+        for name in (first, "b" if first == "a" else "a"):
+            self.register_parameter(name, nn.Parameter(torch.zeros(4)))
+
+
 def _disagreeing(what: str) -> None:
     rank = dist.get_rank()
     model = _Plain(width=12 if what == "shape" and rank == 1 else 8)
+    if what == "buffer":  # broadcast like a parameter: a shape that differs would hang it
+        model.layers[0].register_buffer("count", torch.zeros(3 if rank == 1 else 2))
+    if what == "order":
+        model = _Ordered("b" if rank == 1 else "a")
     config = {"stage": 2, "reduce_bucket_size": 600 if what == "config" and rank == 1 else 500}
     zero_impl.initialize(model, zero_impl.ZeroConfig(**config), optimizer=adamw)
 
@@ -73,10 +86,14 @@ def _disagreeing(what: str) -> None:
     ("config", r"ranks disagree on ZeroConfig.reduce_bucket_size: 500 on DP rank 0, 600 on DP rank 1"),
     ("shape", r"ranks disagree on the model: parameter 'layers.0.weight' is \(8, 8\) float32 on DP rank 0, "
               r"\(12, 12\) float32 on DP rank 1"),
+    ("buffer", r"ranks disagree on the model: buffer 'layers.0.count' is \(2,\) float32 on DP rank 0, \(3,\) float32 "
+               r"on DP rank 1"),
+    ("order", r"ranks disagree on the model: registered in another order: number 0 is parameter 'a' on DP rank 0, "
+              r"parameter 'b' on DP rank 1"),
 ])
 def test_ranks_that_disagree_are_refused_in_one_line(what, message):
     with pytest.raises(RankFailed, match=message):  # raised on every rank, not a hang
-        spawn(_disagreeing, 2, what, timeout=60)
+        spawn(_disagreeing, 2, what, timeout=30)
 
 
 class _Layer(nn.Module):
