@@ -5,9 +5,11 @@ bare model; the wrapped model's own state_dict() never silently misleads.
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import warnings
@@ -273,6 +275,86 @@ def test_a_manifest_on_a_full_disk_fails_the_save_on_every_rank(tmp_path):
     for error in spawn(_manifest_on_a_full_disk, 2, str(tmp_path), timeout=120):
         assert re.match(r"checkpoint \S+step_2.tmp: its manifest was not written on rank 0: OSError: \[Errno 28\]", error)
     assert not (tmp_path / "step_2.tmp").exists() and checkpoint.latest(tmp_path) == tmp_path / "step_1"
+
+
+def _on_rank(wanted: int, fault) -> None:
+    """Install `fault` (a callable) in this rank only."""
+    if dist.get_rank() == wanted:
+        fault()
+
+
+def _dir_fsync(errno_: int):
+    """os.fsync that fails with `errno_` on a folder, as FUSE and SMB file systems do (EINVAL)."""
+    plain = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno_, os.strerror(errno_))
+        plain(fd)
+    return lambda: setattr(os, "fsync", fsync)
+
+
+def _read_fault(error: OSError):
+    """manifest.json unreadable, or a file's read-back failing, with `error`."""
+    from zero_impl.checkpoint import manifest
+
+    def fail(*_args, **_kwargs):
+        raise error
+    if isinstance(error, FileNotFoundError):  # the manifest not (yet) visible to this rank
+        plain = Path.read_text
+        return lambda: setattr(Path, "read_text",
+                               lambda self, *a, **k: fail() if self.name == manifest.MANIFEST else plain(self, *a, **k))
+    return lambda: setattr(manifest, "_describe", fail)
+
+
+def _leftover_tmp(root: str):
+    """A step_2.tmp that rmtree could not remove (NFS keeps a .nfsXXXX file of a file still open)."""
+    def fault():
+        Path(root, "step_2.tmp").mkdir()
+        Path(root, "step_2.tmp", ".nfs000000001").write_bytes(b"open elsewhere")
+        files.shutil = SimpleNamespace(rmtree=lambda *a, **k: None)
+    from zero_impl.checkpoint import files
+    return fault
+
+
+def _fault_in_save_or_load(root: str, fault: str) -> str:
+    """Save step_1 and step_2, then load step_2, with `fault` on one rank: what each rank raised."""
+    engine = build(stage=2)
+    faults = {"no manifest on rank 1": (1, "load", _read_fault(FileNotFoundError(2, "No such file or directory"))),
+              "stale handle on rank 1": (1, "load", _read_fault(OSError(116, "Stale file handle"))),
+              "folder fsync EINVAL": (0, "save", _dir_fsync(errno.EINVAL)),
+              "folder fsync EIO": (0, "save", _dir_fsync(errno.EIO)),
+              "tmp left by NFS": (0, "save", _leftover_tmp(root))}
+    wanted, when, install = faults[fault]
+    checkpoint.save(engine, f"{root}/step_1")
+    try:
+        if when == "save":
+            _on_rank(wanted, install)
+        checkpoint.save(engine, f"{root}/step_2")
+        if when == "load":
+            _on_rank(wanted, install)
+        checkpoint.load(build(stage=2), f"{root}/step_2")
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+@pytest.mark.parametrize("fault,expected", [
+    ("no manifest on rank 1", r"FileNotFoundError: \S+step_2 is not a complete checkpoint \(no manifest.json as rank 1 "
+                              r"sees it\): a save that did not finish\?"),
+    ("stale handle on rank 1", r"ValueError: checkpoint \S+step_2: file \S+ could not be read: OSError: \[Errno 116\] "
+                               r"Stale file handle; the checkpoint is refused"),
+    ("folder fsync EINVAL", r"ok"),
+    ("folder fsync EIO", r"OSError: checkpoint \S+step_2: rank 0 could not rename step_2.tmp to it \(complete, with its "
+                         r"manifest\): OSError: \[Errno 5\] Input/output error"),
+    ("tmp left by NFS", r"ok"),
+])
+def test_a_fault_on_one_rank_raises_the_same_line_on_every_rank(tmp_path, fault, expected):
+    """A rank that cannot see the manifest, or read a file back, tells the others before they
+    wait for it; so does rank 0 when its rename fails; a folder fsync a file system refuses
+    (EINVAL) and a .tmp folder NFS would not let go of do not fail the save."""
+    errors = spawn(_fault_in_save_or_load, 2, str(tmp_path), fault, timeout=60)
+    assert errors[0] == errors[1] and re.fullmatch(expected, errors[0]), errors
 
 
 def _save_killed_between_shards(root: str) -> dict:

@@ -3,18 +3,20 @@ stage or bucket size), latest (the newest complete one) and export (one fp32 fil
 model). What they hold is the engine's state dict (state_dict.py)."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from . import manifest
 from .state_dict import check, load_state_dict, pack, rank, state_dict, unpack
+
+T = TypeVar("T")
 
 # torch.distributed.checkpoint is imported where it is used: it takes a second to import, and
 # every `import zero_impl` imports this module.
@@ -34,10 +36,8 @@ def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None)
     sd = engine.state_dict()
     if extra is not None:
         sd["extra"] = pack(extra)
-    if first:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(process_group)
+    _on_first_rank(lambda: _fresh_folder(tmp), process_group, f"checkpoint {path} was not saved: rank 0 could not "
+                   f"create {tmp}")
     try:
         metadata = _quiet(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group)
     except CheckpointException as e:  # DCP hands every rank's failures to every rank
@@ -53,18 +53,51 @@ def save(engine, path: str | os.PathLike, extra: Any = None, process_group=None)
         if first:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if first:
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier(process_group)
+    _on_first_rank(lambda: _publish(tmp, path), process_group, f"checkpoint {path}: rank 0 could not rename "
+                   f"{tmp.name} to it (complete, with its manifest)")
     return path
+
+
+def _fresh_folder(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    # on NFS a file still open somewhere is only renamed (.nfsXXXX) and its folder stays: not the
+    # checkpoint's (the manifest lists DCP's files only), so it may stay too
+    tmp.mkdir(parents=True, exist_ok=True)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the finished `tmp` to `path`, a checkpoint already there moved aside to .old for
+    the instant of the rename (latest() takes it meanwhile), and sync the parent folder."""
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # FUSE and SMB file systems cannot sync a folder (EINVAL): the rename stands
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _on_first_rank(work: Callable[[], T], process_group, failure: str) -> T:
+    """`work()` on the group's first rank alone, its result handed to every rank, which wait for
+    it there (one gather); an OSError it raises is raised on every rank as `failure: error`,
+    rather than leaving the others at a barrier."""
+    result, error = None, None
+    if rank(process_group) == 0:
+        try:
+            result = work()
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    result, error = manifest.gather((result, error), process_group)[0]
+    if error is not None:
+        raise OSError(f"{failure}: {error}")
+    return result
 
 
 def load(engine, path: str | os.PathLike, process_group=None) -> Any:
@@ -140,11 +173,6 @@ def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dic
     if out is not None:
         torch.save(result, out)
     return result
-
-
-def _barrier(group=None) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group)
 
 
 def _quiet(fn, *args, **kwargs) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zlib
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from .state_dict import rank
 
 MANIFEST = "manifest.json"
+METADATA = ".metadata"  # DCP's, written by the coordinator (the group's first rank)
 FORMAT = 1
 _CHUNK = 1 << 24  # bytes hashed at a time
 
@@ -34,7 +36,7 @@ def write(path: Path, metadata, process_group=None) -> None:
         mine: dict | str = {name: _describe(path / name) for name in _share(files, process_group)}
     except OSError as e:  # told to every rank below, where they would otherwise wait for this one
         mine = f"{type(e).__name__}: {e}"
-    everyone = _gather(mine, process_group)
+    everyone = gather(mine, process_group)
     unread = next(((r, e) for r, e in enumerate(everyone) if isinstance(e, str)), None)
     if unread is not None:
         raise OSError(f"checkpoint {path}: rank {unread[0]} could not read back its share of the files: {unread[1]}")
@@ -50,43 +52,76 @@ def write(path: Path, metadata, process_group=None) -> None:
             os.replace(path / (MANIFEST + ".tmp"), path / MANIFEST)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
-    first_rank_error = _gather(error, process_group)[0]  # every rank waits for the manifest here
+    first_rank_error = gather(error, process_group)[0]  # every rank waits for the manifest here
     if first_rank_error is not None:
         raise OSError(f"checkpoint {path}: its manifest was not written on rank 0: {first_rank_error}")
 
 
 def is_complete(path: Path) -> bool:
-    """Whether a save into `path` finished (its manifest exists); the files are not read."""
-    return (path / MANIFEST).is_file()
+    """Whether a save into `path` finished (its manifest exists, or it is_legacy); the files are
+    not read."""
+    return (path / MANIFEST).is_file() or is_legacy(path)
 
 
 def verify(path: str | os.PathLike, process_group=None, alone: bool = False) -> None:
     """Check every file of the checkpoint at `path` against its manifest, on every rank of the
     group, each hashing its share (`alone`: this process checks them all, no collective, as
-    export does); raise ValueError on every rank naming the first file that is missing,
-    truncated, longer or altered."""
+    export does); raise on every rank the same error, naming the first file that is missing,
+    truncated, longer, altered or unreadable (ValueError), or the first rank that sees no
+    manifest (FileNotFoundError). A checkpoint saved before manifests existed passes, unread,
+    with a warning (is_legacy)."""
     path = Path(path)
-    if not is_complete(path):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}): a save that did not finish?")
-    listed = json.loads((path / MANIFEST).read_text())["files"]
-    names = sorted(listed)
-    mine = names if alone else _share(names, process_group)
-    problems = {name: why for name in mine if (why := _differs(path / name, listed[name])) is not None}
-    found = {k: v for part in ([problems] if alone else _gather(problems, process_group)) for k, v in part.items()}
+    try:  # any failure is told to every rank below, where they would otherwise wait for this one
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+        names = sorted(listed)
+        mine: dict | str = {name: why for name in (names if alone else _share(names, process_group))
+                            if (why := _differs(path / name, listed[name])) is not None}
+    except FileNotFoundError:
+        mine = "legacy" if is_legacy(path) else "missing"
+    except (OSError, ValueError, KeyError) as e:  # unreadable, or not the JSON save() writes
+        mine = {MANIFEST: f"could not be read: {type(e).__name__}: {e}"}
+    everyone = [mine] if alone else gather(mine, process_group)
+    if all(e == "legacy" for e in everyone):
+        _warn_unverified(path)
+        return
+    blind = next((r for r, e in enumerate(everyone) if isinstance(e, str)), None)
+    if blind is not None:
+        seen = f" as rank {blind} sees it" if len(everyone) > 1 else ""
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}{seen}): a save that did not finish?")
+    found = {k: v for part in everyone for k, v in part.items()}
     if found:
         first = min(found)
         raise ValueError(f"checkpoint {path}: file {path / first} {found[first]}; the checkpoint is refused")
 
 
+def is_legacy(path: Path) -> bool:
+    """Whether `path` is a checkpoint saved before manifests existed: a folder renamed from its
+    .tmp (so its save finished) holding DCP's .metadata and no manifest. Its files cannot be checked."""
+    return not path.name.endswith(".tmp") and (path / METADATA).is_file() and not (path / MANIFEST).exists()
+
+
+_warned: set[Path] = set()
+
+
+def _warn_unverified(path: Path) -> None:
+    if path not in _warned:
+        _warned.add(path)
+        warnings.warn(f"checkpoint {path} has no {MANIFEST} (saved before manifests existed): its files cannot be "
+                      "verified, and are loaded as they are", stacklevel=3)
+
+
 def _differs(file: Path, expected: dict) -> str | None:
     """Why `file` is not what the save wrote, or None."""
-    if not file.is_file():
-        return "is missing"
-    size = file.stat().st_size
-    if size != expected["bytes"]:
-        return f"{'is truncated' if size < expected['bytes'] else 'is longer than written'}: {size} bytes, " \
-               f"the save wrote {expected['bytes']}"
-    crc = _describe(file)["crc32"]
+    try:
+        if not file.is_file():
+            return "is missing"
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{'is truncated' if size < expected['bytes'] else 'is longer than written'}: {size} bytes, " \
+                   f"the save wrote {expected['bytes']}"
+        crc = _describe(file)["crc32"]
+    except OSError as e:  # a stale NFS handle, an I/O error: this file is the problem, not the whole check
+        return f"could not be read: {type(e).__name__}: {e}"
     if crc != expected["crc32"]:
         return f"is corrupt: CRC-32 {crc:08x}, the save wrote {expected['crc32']:08x}"
     return None
@@ -104,7 +139,7 @@ def _share(names: list[str], process_group) -> list[str]:
     return names[rank(process_group)::_size(process_group)]
 
 
-def _gather(obj, process_group) -> list:
+def gather(obj, process_group) -> list:
     """Every rank's `obj` (a small dict), in rank order. CPU tensors carry it on gloo; on NCCL
     the current CUDA device must be this rank's (as for DCP's own object collectives)."""
     if _size(process_group) == 1:
