@@ -59,8 +59,8 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     Checkpoints (zero_impl.checkpoint) go to train.checkpoint_dir/step_<N> every train.checkpoint_every
     steps, and when the file named by $ZERO_REPRO_STOP_FILE appears (slurm/launch.sh creates it
     on Slurm's signal before the time limit): then the ranks save and raise Preempted. With
-    train.resume, training starts from the latest complete checkpoint there, losses and step
-    times included. `on_step(steps done, latest checkpoint)` is called after each step that ends a
+    train.resume, training starts from the latest complete checkpoint there (as rank 0 lists
+    it), losses and step times included. `on_step(steps done, latest checkpoint)` is called after each step that ends a
     timing window (StepClock): every warm-up step, and the timed steps where the loop closes one."""
     point = Point(**point_dict)
     t = point.train
@@ -77,9 +77,9 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
     start, saved, resumed_from = 0, None, None
     root = Path(t["checkpoint_dir"]) if t["checkpoint_dir"] else None
     if t["resume"] and root is not None:
-        latest = zero_impl.checkpoint.latest(root)
+        latest, skipped = zero_impl.checkpoint.resume_point(root)  # rank 0's listing, on every rank
         if dist.get_rank() == 0:
-            print(_resuming_from(root, latest), flush=True)
+            print(_resuming_from(root, latest, skipped), flush=True)
         if latest is not None:
             saved = resumed_from = str(latest)
             progress = zero_impl.checkpoint.load(engine, saved)
@@ -146,10 +146,9 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
                        "resumed_step": start if resumed_from else None}}
 
 
-def _resuming_from(root: Path, latest: Path | None) -> str:
+def _resuming_from(root: Path, latest: Path | None, skipped: list[Path]) -> str:
     """What train.resume starts from, in one line: the newest complete checkpoint and the
     unfinished saves after it that it passes over (a save killed or failed midway)."""
-    skipped = zero_impl.checkpoint.unfinished(root)
     passed = f"; passing over the unfinished save(s) {', '.join(p.name for p in skipped)}" if skipped else ""
     if latest is None:
         return f"train.resume: no complete checkpoint in {root}{passed}; starting at step 0"

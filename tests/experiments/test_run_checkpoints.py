@@ -49,6 +49,31 @@ def test_runner_checkpoints_stops_on_request_and_resumes(compose, tmp_path, monk
                                "resumed_from": str(tmp_path / "interrupted" / "step_1"), "resumed_step": 1}
 
 
+def _listing_lags_on_rank_1(point_dict: dict, hidden: str) -> dict:
+    """train_rank, rank 1 not seeing the folder `hidden` yet (a shared file system's cached listing)."""
+    from pathlib import Path
+    import torch.distributed as dist
+    from experiments.run.real import train_rank
+    if dist.get_rank() == 1:
+        glob = Path.glob
+        Path.glob = lambda self, pattern, *a, **k: (p for p in glob(self, pattern, *a, **k) if p.name != hidden)
+    return train_rank(point_dict, "fp32")
+
+
+def test_every_rank_resumes_from_rank_0s_choice(compose, tmp_path):
+    """Rank 1 lists the checkpoints before step_4 shows there: it resumes from step_4 too, the
+    one rank 0 found, and the run ends at the uninterrupted run's losses."""
+    from experiments.run.real import with_checkpoint_dir
+    straight = _point(compose, tmp_path, "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path}/ck")
+    done = spawn(_listing_lags_on_rank_1, 2, with_checkpoint_dir(straight, tmp_path), "none", timeout=120)[0]
+    resumed = _point(compose, tmp_path, "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path}/ck",
+                     "train.resume=true")
+    ranks = spawn(_listing_lags_on_rank_1, 2, with_checkpoint_dir(resumed, tmp_path), "step_4", timeout=90)
+    for again in ranks:
+        assert again["resume"]["resumed_from"] == str(tmp_path / "ck" / "step_4")
+        assert again["losses"] == done["losses"]
+
+
 def _barriers_and_times(point_dict: dict) -> dict:
     import sys
     import torch.distributed as dist

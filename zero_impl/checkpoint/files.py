@@ -137,6 +137,16 @@ def unfinished(root: str | os.PathLike) -> list[Path]:
                    and not manifest.is_complete(p)), key=_step_of)
 
 
+def resume_point(root: str | os.PathLike, process_group=None) -> tuple[Path | None, list[Path]]:
+    """(latest(root), unfinished(root)) as the group's first rank sees them, on every rank
+    (collective on the group): right after a save, ranks listing a shared file system may see
+    different folders (NFS caches listings), and each picking its own would resume different
+    steps. The ranks then load what they were handed (load() refuses it on every rank if one
+    cannot see its manifest)."""
+    return _on_first_rank(lambda: (latest(root), unfinished(root)), process_group,
+                          f"checkpoints in {root} could not be listed")
+
+
 def _steps(root) -> list[tuple[int, Path]]:
     """(N, folder) of every complete checkpoint: step_<N>, else step_<N>.old."""
     complete = {}
