@@ -397,6 +397,17 @@ def test_a_save_killed_midway_is_never_the_latest(tmp_path):
     assert max_abs_diff(loaded, saved) == 0.0
 
 
+def test_a_save_killed_before_its_rename_is_listed_unfinished(tmp_path):
+    """Killed between the manifest and the rename: step_2.tmp holds a manifest, yet the save
+    never finished; latest() passes over it and unfinished() names it."""
+    engine = build(stage=2)
+    checkpoint.save(engine, tmp_path / "step_1")
+    checkpoint.save(engine, tmp_path / "step_2")
+    os.replace(tmp_path / "step_2", tmp_path / "step_2.tmp")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
+    assert checkpoint.unfinished(tmp_path) == [tmp_path / "step_2.tmp"]
+
+
 def _parameters_at_step_1(root: str) -> dict:
     engine = build(stage=2)
     train(engine, 0, 1)

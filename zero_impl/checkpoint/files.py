@@ -130,11 +130,12 @@ def latest(root: str | os.PathLike) -> Path | None:
 
 def unfinished(root: str | os.PathLike) -> list[Path]:
     """Folders under `root` newer than latest(root) that a save left unfinished (step_<N>.tmp,
-    or step_<N> without a manifest), oldest first: what a resume passes over."""
+    with its manifest too if killed before the rename, or step_<N> without a manifest), oldest
+    first: what a resume passes over."""
     done = latest(root)
     newest = _step_of(done) if done is not None else -1
     return sorted((p for p in Path(root).glob("step_*") if _step_of(p) is not None and _step_of(p) > newest
-                   and not manifest.is_complete(p)), key=_step_of)
+                   and (p.name.endswith(".tmp") or not manifest.is_complete(p))), key=_step_of)
 
 
 def resume_point(root: str | os.PathLike, process_group=None) -> tuple[Path | None, list[Path]]:
