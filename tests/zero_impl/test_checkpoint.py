@@ -8,6 +8,7 @@ import copy
 import errno
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -406,6 +407,30 @@ def test_a_save_killed_before_its_rename_is_listed_unfinished(tmp_path):
     os.replace(tmp_path / "step_2", tmp_path / "step_2.tmp")
     assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
     assert checkpoint.unfinished(tmp_path) == [tmp_path / "step_2.tmp"]
+
+
+def test_a_checkpoint_saved_before_manifests_loads_unverified_with_one_warning(tmp_path):
+    """A renamed step folder with DCP's .metadata and no manifest finished its save before
+    manifests existed: it is the latest, not unfinished, and loads, with one warning that its
+    files cannot be verified; a .tmp folder like it is still unfinished."""
+    engine = build(stage=2)  # a world of one: no torch.distributed needed
+    tokens = global_batch(0, 1, ACCUM)
+    for k in range(ACCUM):
+        engine.backward(lm_loss(engine(tokens[k, 0]), tokens[k, 0]))
+        engine.step()
+    checkpoint.save(engine, tmp_path / "step_1")
+    (tmp_path / "step_1" / "manifest.json").unlink()
+    shutil.copytree(tmp_path / "step_1", tmp_path / "step_2.tmp")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
+    assert checkpoint.unfinished(tmp_path) == [tmp_path / "step_2.tmp"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loaded = build(stage=2)
+            checkpoint.load(loaded, tmp_path / "step_1")
+    assert [str(w.message) for w in seen] == [f"checkpoint {tmp_path / 'step_1'} has no manifest.json (saved before "
+                                              "manifests existed): its files cannot be verified, and are loaded as they are"]
+    assert max_abs_diff(loaded.full_parameters(), engine.full_parameters()) == 0.0
 
 
 def _parameters_at_step_1(root: str) -> dict:

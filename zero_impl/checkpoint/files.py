@@ -120,8 +120,9 @@ def load(engine, path: str | os.PathLike, process_group=None) -> Any:
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint root/step_<N> with the largest N, or None. Unfinished saves
-    (step_<N>.tmp, folders without a manifest) are never picked. A step_<N>.old counts for
+    """The complete checkpoint root/step_<N> with the largest N, or None: one with a manifest,
+    or one saved before manifests existed (manifest.is_legacy). Unfinished saves (step_<N>.tmp,
+    folders without a manifest) are never picked. A step_<N>.old counts for
     step_<N> while that is missing: save() moves a checkpoint it replaces aside there for an
     instant, and a kill in that instant leaves it so."""
     found = _steps(root)
