@@ -1,7 +1,9 @@
 """gloo's loopback collectives on this machine: latency and bandwidth per kind and world size,
 measured on ranks started the way the sweep starts them (experiments.launch.spawn: forked, one
-thread each, gloo), through the engine's own communicator (zero_impl/comm.py), so a
-reduce-scatter and an all-gather are the point-to-point exchanges the engine runs on gloo.
+thread each, gloo), through the engine's own communicator (zero_impl/comm.py) with the exchange
+on (EXCHANGE), so a reduce-scatter and an all-gather are the point-to-point exchanges the
+cpu_default records ran (zero.gloo_point_to_point=true in conf/experiment/cpu_default.yaml),
+the records the prediction check compares with. The engine's default is gloo's own calls.
 
 Sizes follow the suite's counting convention (experiments/analysis/hardware.py): all_reduce,
 reduce and broadcast the tensor, reduce_scatter its full input, all_gather its full output.
@@ -30,12 +32,13 @@ OVERLAP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # the kinds the 
 SIZES = tuple(2 ** p for p in (3, 7, 11, 15, 19, 21, 23, 24))  # bytes: 8 B (latency) to 16 MiB (bandwidth)
 LATENCY_UP_TO = 2 ** 11  # sizes at or below this one measure the latency (2 KiB at 1 GB/s: 2 us of bytes)
 BANDWIDTH_FROM = 2 ** 19  # sizes at or above this one measure the bandwidth
+EXCHANGE = True  # cpu_default's zero.gloo_point_to_point: what the records the check reads ran
 
 
 def _communicator() -> Communicator:
     if dist.get_world_size() < 2:  # a world of one issues no collective: nothing to time
         raise ValueError("collectives are calibrated at world sizes of 2 and more")
-    return Communicator(None, CommLedger(), "calibration")
+    return Communicator(None, CommLedger(), "calibration", point_to_point=EXCHANGE)
 
 
 def _issue(comm: Communicator, kind: str, full: torch.Tensor, part: torch.Tensor, async_op: bool = False):

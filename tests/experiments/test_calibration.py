@@ -79,6 +79,18 @@ def test_measured_collectives_are_latency_plus_bytes_over_bandwidth():
         c.time_s("gather", 1e6, 2, 2)
 
 
+def _timed_as() -> bool:
+    return collectives._communicator().point_to_point
+
+
+def test_collectives_are_timed_as_the_cpu_default_records_ran_them():
+    """The prediction check compares the cpu_default records with times predicted from this
+    calibration: its reduce-scatters and all-gathers must be what those records ran."""
+    from experiments.launch import spawn
+    conf = yaml.safe_load((REFERENCE.parents[3] / "conf" / "experiment" / "cpu_default.yaml").read_text())
+    assert spawn(_timed_as, 2, timeout=60) == [conf["zero"]["gloo_point_to_point"]] * 2
+
+
 def test_gloo_fit_latency_from_small_sizes_bandwidth_from_large():
     times = {8: 1e-4, 128: 1.2e-4, 2048: 1e-4, 2 ** 15: 5e-4,  # 32 KiB: neither latency nor bandwidth
              2 ** 19: 1e-4 + 2 ** 19 / 1e9, 2 ** 21: 1e-4 + 2 ** 21 / 1e9, 2 ** 23: 1e-4 + 2 ** 23 / 2e9}
