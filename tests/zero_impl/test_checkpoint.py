@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import json
 import os
 import re
 import shutil
@@ -431,6 +432,33 @@ def test_a_checkpoint_saved_before_manifests_loads_unverified_with_one_warning(t
     assert [str(w.message) for w in seen] == [f"checkpoint {tmp_path / 'step_1'} has no manifest.json (saved before "
                                               "manifests existed): its files cannot be verified, and are loaded as they are"]
     assert max_abs_diff(loaded.full_parameters(), engine.full_parameters()) == 0.0
+
+
+def _hashed_at_save(root: str) -> list[str]:
+    """The files this rank read back to hash them while saving."""
+    from zero_impl.checkpoint import manifest
+    describe, hashed = manifest._describe, []
+    manifest._describe = lambda file: hashed.append(file.name) or describe(file)
+    checkpoint.save(build(stage=2), f"{root}/step_0")
+    return sorted(hashed)
+
+
+def test_each_rank_hashes_only_the_files_it_wrote(tmp_path):
+    """Its own files, still in its page cache: no rank reads another's over the network."""
+    rank0, rank1 = spawn(_hashed_at_save, 2, str(tmp_path), timeout=60)
+    assert rank0 == [".metadata", "__0_0.distcp"] and rank1 == ["__1_0.distcp"]
+
+
+def test_load_without_verify_reads_no_checksum(tmp_path):
+    """verify=False skips the manifest check (a load otherwise reads each file twice)."""
+    engine = build(stage=2)
+    checkpoint.save(engine, tmp_path / "step_0")
+    listed = json.loads((tmp_path / "step_0" / "manifest.json").read_text())
+    listed["files"]["__0_0.distcp"]["crc32"] ^= 1  # the check would refuse the intact shard
+    (tmp_path / "step_0" / "manifest.json").write_text(json.dumps(listed))
+    with pytest.raises(ValueError, match="__0_0.distcp is corrupt"):
+        checkpoint.load(build(stage=2), tmp_path / "step_0")
+    checkpoint.load(build(stage=2), tmp_path / "step_0", verify=False)
 
 
 def _parameters_at_step_1(root: str) -> dict:

@@ -100,12 +100,14 @@ def _on_first_rank(work: Callable[[], T], process_group, failure: str) -> T:
     return result
 
 
-def load(engine, path: str | os.PathLike, process_group=None) -> Any:
+def load(engine, path: str | os.PathLike, process_group=None, verify: bool = True) -> Any:
     """Load a checkpoint written by save() at any DP degree, stage or bucket size (same model and
-    TP degree) into `engine`, on every rank; returns save()'s `extra`."""
+    TP degree) into `engine`, on every rank; returns save()'s `extra`. `verify`: check every
+    file against the manifest first (manifest.verify: each file read once more); False skips it."""
     import torch.distributed.checkpoint as dcp
     path = Path(path)
-    manifest.verify(path, process_group)  # every file as the save wrote it, or refused by name
+    if verify:
+        manifest.verify(path, process_group)  # every file as the save wrote it, or refused by name
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     head = {k: None for k in ("engine", "extra") if k in keys}
     _quiet(dcp.load, head, checkpoint_id=path, process_group=process_group)
