@@ -84,6 +84,10 @@ def train_rank(point_dict: dict, precision: str, on_step=None) -> dict:
             saved = resumed_from = str(latest)
             progress = zero_impl.checkpoint.load(engine, saved)
             start, losses, times = progress["step"], progress["losses"], progress["step_times_s"]
+            if start > t["warmup_steps"] + t["steps"]:  # else the loop would train nothing and record the old run's
+                raise ConfigError(f"train.resume: the latest checkpoint, {saved}, is at step {start}, past this run's "
+                                  f"end (train.warmup_steps {t['warmup_steps']} + train.steps {t['steps']}): ask for "
+                                  f"train.steps >= {start - t['warmup_steps']}, or train.resume=false to start afresh")
     stop_file = os.environ.get("ZERO_REPRO_STOP_FILE")
     if on_step is not None:
         on_step(start, saved)
