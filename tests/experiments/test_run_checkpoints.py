@@ -63,9 +63,9 @@ def _listing_lags_on_rank_1(point_dict: dict, hidden: str) -> dict:
 def test_every_rank_resumes_from_rank_0s_choice(compose, tmp_path):
     """Rank 1 lists the checkpoints before step_4 shows there: it resumes from step_4 too, the
     one rank 0 found, and the run ends at the uninterrupted run's losses."""
-    from experiments.run.real import with_checkpoint_dir
+    from experiments.run.real import train_rank, with_checkpoint_dir
     straight = _point(compose, tmp_path, "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path}/ck")
-    done = spawn(_listing_lags_on_rank_1, 2, with_checkpoint_dir(straight, tmp_path), "none", timeout=120)[0]
+    done = spawn(train_rank, 2, with_checkpoint_dir(straight, tmp_path), "fp32", timeout=120)[0]
     resumed = _point(compose, tmp_path, "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path}/ck",
                      "train.resume=true")
     ranks = spawn(_listing_lags_on_rank_1, 2, with_checkpoint_dir(resumed, tmp_path), "step_4", timeout=90)
