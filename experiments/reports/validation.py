@@ -1,6 +1,7 @@
 """The step-time model against measured A100 training steps: the development set
 (results/external/vtrain_a100_single_node.csv, vTrain's 1,440 Megatron-DeepSpeed iterations on one
-node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100.
+node of 2-8 A100s) predicted with system=megatron_ds2023 on cluster=dgx_a100. Its rows and their
+inputs are experiments/analysis/measured.py's, as `python -m experiments.validate` reads any such file.
 
 - `validation_table`: every row with pipeline parallelism 1 beside its prediction (the ratio
   predicted / measured and the breakdown's terms); the rows with pipeline parallelism > 1 are
@@ -46,49 +47,31 @@ from experiments.analysis import kernels as kn
 from experiments.analysis import step_time as st
 from experiments.analysis.expected_error import pair_ratio_errors, quantile, tp_families
 from experiments.analysis.hardware import profile
+from experiments.analysis.measured import (PIPELINE_REFUSAL, VTRAIN_CLUSTER, VTRAIN_COLUMNS, VTRAIN_SYSTEM,
+                                           error_stats, hardware, vtrain_inputs, vtrain_rows)
 from experiments.analysis.nccl import Nccl
 from experiments.reports.host_ops import layer_host_ops, read_layer_host_time
 from experiments.records import REPO
 
 DEV_SET_CSV = REPO / "results" / "external" / "vtrain_a100_single_node.csv"
 ALLREDUCE_CSV = REPO / "results" / "external" / "vtrain_a100_allreduce.csv"
-SYSTEM, CLUSTER = "megatron_ds2023", "dgx_a100"
-VOCAB = 50257          # vTrain's configs' default vocabulary (GPT-2's), padded by Megatron to 128 x TP
-COLUMNS = ("gpus", "global_batch", "micro_batch", "hidden", "heads", "layers", "seq_len", "tp", "dp", "pp", "ms")
+SYSTEM, CLUSTER = VTRAIN_SYSTEM, VTRAIN_CLUSTER
+ROW_KEYS = tuple(k for k in VTRAIN_COLUMNS.values() if k != "ms")   # a row's configuration
 TP_ALLREDUCE_CALLS_PER_LAYER = 6   # forward, recomputed forward, backward: 2 each
 HOST_COST_TPS = (1, 2)             # the TP degrees whose micro-batch-1, hidden-1024 rows measure the host costs
 
 
-@cache
 def dev_rows() -> tuple[dict, ...]:
-    """The development set's rows, typed (the file's first byte is a UTF-8 byte-order mark)."""
-    with open(DEV_SET_CSV, encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        next(reader)
-        return tuple({**{c: int(v) for c, v in zip(COLUMNS[:-1], r[:-1])}, "ms": float(r[-1])} for r in reader)
+    """The development set's rows, typed (measured.vtrain_rows)."""
+    return vtrain_rows(DEV_SET_CSV)
 
 
 def in_scope(row: dict) -> bool:
     return row["pp"] == 1
 
 
-def inputs(row: dict) -> st.StepInputs:
-    """A row as the model's input: Megatron's padded vocabulary and parameters per TP rank, fp16,
-    full recomputation, the global batch accumulated over micro-batches of the DP degree."""
-    model = {"layers": row["layers"], "hidden": row["hidden"], "heads": row["heads"], "seq_len": row["seq_len"],
-             "vocab_size": VOCAB}
-    grad_accum = row["global_batch"] // (row["micro_batch"] * row["dp"])
-    return st.StepInputs(**st.shape_inputs(model, row["tp"]), micro_batch=row["micro_batch"], tp=row["tp"],
-                         dp=row["dp"], stage=0, recompute=True, grad_accum=grad_accum, element_bytes=2)
-
-
-@cache
-def a100():
-    return profile(CLUSTER)
-
-
 def predict_row(row: dict, system=SYSTEM) -> st.StepTime:
-    return st.predict(inputs(row), a100(), system)
+    return st.predict(vtrain_inputs(row), hardware(CLUSTER), system)
 
 
 @cache
@@ -99,7 +82,7 @@ def validation_table(system=SYSTEM) -> pd.DataFrame:
         if not in_scope(r):
             continue
         pred = predict_row(r, system)
-        out.append({**{c: r[c] for c in COLUMNS[:-1] if c != "pp"},
+        out.append({**{c: r[c] for c in ROW_KEYS if c != "pp"},
                     "grad_accum": r["global_batch"] // (r["micro_batch"] * r["dp"]), "measured_ms": r["ms"],
                     "predicted_ms": pred.step_s * 1e3, "ratio": pred.step_s * 1e3 / r["ms"],
                     **{f"{t}_ms": v * 1e3 for t, v in pred.terms.items()}})
@@ -108,15 +91,8 @@ def validation_table(system=SYSTEM) -> pd.DataFrame:
 
 def out_of_scope_table() -> pd.DataFrame:
     """The rows with pipeline parallelism > 1: measured, not predicted (the model does not pipeline)."""
-    return pd.DataFrame([{**{c: r[c] for c in COLUMNS[:-1]}, "measured_ms": r["ms"],
-                          "why": "pipeline parallelism > 1: not modelled"} for r in dev_rows() if not in_scope(r)])
-
-
-def error_stats(ratios: list[float]) -> dict:
-    errors = [abs(r - 1) for r in ratios]
-    return {"rows": len(ratios), "median_ratio": median(ratios), "median_error": median(errors),
-            "p90_error": quantile(errors, 0.9), "worst_error": max(errors),
-            "worst_factor": max(max(r, 1 / r) for r in ratios)}
+    return pd.DataFrame([{**{c: r[c] for c in ROW_KEYS}, "measured_ms": r["ms"], "why": PIPELINE_REFUSAL}
+                         for r in dev_rows() if not in_scope(r)])
 
 
 def tp_ranking(table: pd.DataFrame) -> dict:

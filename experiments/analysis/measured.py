@@ -1,0 +1,343 @@
+"""Measured training steps against the step-time model: any CSV in the schema of one of the
+development set's files (results/external/, provenance in its README), each row as the model's
+inputs or the reason the model refuses it, predicted, and the error summary.
+
+Two schemas, told apart by their columns:
+
+- `vtrain`: vTrain's iteration times (vtrain_a100_single_node.csv, vtrain_a100_multi_node.csv;
+  the multi-node file adds the parameter count first): Megatron-DeepSpeed 2023 on DGX A100 nodes,
+  fp16 assumed, full recomputation, vTrain's default vocabulary. Rows run by system
+  megatron_ds2023 on cluster dgx_a100 unless given.
+- `throughput`: the sharded-data-parallel compilation (llm_foundry_a100_fsdp.csv), whose columns
+  every file of its kind shares: measured tokens per second per GPU, the GPU, shape, sharding,
+  precision and activation checkpointing per row. No system models llm-foundry's FSDP yet, so
+  its rows are refused unless `system=` names one (zero_repro: this engine at the ZeRO stage of
+  the row's sharding strategy, the model's GPT shape standing in for MPT's); the cluster comes
+  from the row's GPU unless given.
+
+The error is on step time: ratio = predicted / measured seconds per step (for a throughput file,
+measured / predicted tokens per second), error |ratio - 1|.
+"""
+from __future__ import annotations
+
+import csv
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from statistics import median
+
+from experiments.analysis import step_time as st
+from experiments.analysis.expected_error import quantile
+from experiments.analysis.hardware import Hardware, profile
+from experiments.analysis.systems import SYSTEMS
+from experiments.models.gpt_shape import GPTShape
+
+VTRAIN_VOCAB = 50257   # vTrain's configs' default vocabulary (GPT-2's), padded by Megatron to 128 x TP
+VTRAIN_SYSTEM, VTRAIN_CLUSTER = "megatron_ds2023", "dgx_a100"
+PIPELINE_REFUSAL = "pipeline parallelism > 1: not modelled"
+# vTrain's header -> the row's keys (the multi-node file's first column is optional)
+VTRAIN_COLUMNS = {"# GPUs": "gpus", "global batch": "global_batch", "micro batch": "micro_batch",
+                  "hidden size": "hidden", "attention heads": "heads", "# layers": "layers",
+                  "sequence length": "seq_len", "tensor parallelism": "tp", "data parallelism": "dp",
+                  "pipeline parallelism": "pp", "iteration time (ms)": "ms"}
+VTRAIN_PARAMS = "Parameters (billion)"
+# the throughput compilation's columns this reads (the rest are provenance); ints, then text
+THROUGHPUT_INTS = ("gpus", "layers", "hidden", "heads", "vocab", "seq_len", "micro_batch", "global_batch", "tp", "pp")
+THROUGHPUT_TEXT = ("source", "gpu", "sharding", "precision", "activation_checkpointing", "measured_tokens_per_s_per_gpu")
+# read when present: an empty cell or missing column takes the default (kv_heads: heads, ffn_hidden: 4 x hidden)
+THROUGHPUT_OPTIONAL = ("kv_heads", "ffn_hidden", "dp", "cp", "activation_cpu_offload", "measured_tokens_per_s_total")
+# FSDP's sharding strategies as ZeRO stages (the compilation names them inside longer text)
+SHARDING_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
+# a throughput row's GPU -> the profile of its machine (the A100 40 GB has no profile: dgx_a100 is the 80 GB SXM)
+GPU_CLUSTERS = {"A100 80GB": "dgx_a100", "H100 80GB": "dgx_h100"}
+# the sequence-length bands of the summary: the development set's lengths are 512-2,048,
+# 4,096-8,192 and 16,384-65,536; a length between two bands falls in the upper one
+SEQ_BANDS = ((2048, "<=2k"), (8192, "4-8k"), (float("inf"), ">=16k"))
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A file kind: what its measured column is in and the columns the summary groups by."""
+
+    name: str
+    description: str
+    unit: str                              # "s/step" or "tokens/s/GPU"
+    groups: tuple[tuple[str, str], ...]    # (label, row key) the median ratio is grouped by
+
+
+VTRAIN = Schema("vtrain", "vTrain's Megatron-DeepSpeed iteration times", "s/step",
+                (("TP", "tp"), ("sequence length", "seq_band")))
+THROUGHPUT = Schema("throughput", "measured throughput of sharded data parallelism", "tokens/s/GPU",
+                    (("TP", "tp"), ("sequence length", "seq_band"), ("GPU", "gpu"), ("sharding", "sharding"),
+                     ("activation checkpointing", "activation_checkpointing")))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One row of a file: its prediction by `system` on `cluster`, or why it is refused."""
+
+    index: int                        # the row's 0-based position among the file's data rows
+    row: dict
+    measured: float | None            # in the schema's unit
+    measured_step_s: float | None
+    system: str | None = None
+    cluster: str | None = None
+    prediction: st.StepTime | None = None
+    reason: str | None = None         # refused: why
+    tokens_per_step: float | None = field(default=None, repr=False)   # throughput rows: global batch x sequence
+
+    @property
+    def ratio(self) -> float | None:
+        """Predicted / measured seconds per step."""
+        return None if self.prediction is None else self.prediction.step_s / self.measured_step_s
+
+    @property
+    def predicted(self) -> float | None:
+        """The prediction in the file's unit."""
+        if self.prediction is None:
+            return None
+        if self.tokens_per_step is None:
+            return self.prediction.step_s
+        return self.tokens_per_step / (self.prediction.step_s * self.row["gpus"])
+
+
+class SchemaError(ValueError):
+    """A file whose columns match no schema, or that cannot be read."""
+
+
+def seq_band(seq_len: int) -> str:
+    return next(label for top, label in SEQ_BANDS if seq_len <= top)
+
+
+def read(path: str | Path) -> tuple[Schema, list[dict]]:
+    """The file's schema and its rows (text by column; the first byte may be a UTF-8 byte-order mark)."""
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.DictReader(f)
+            header = [c.strip() for c in reader.fieldnames or []]
+            rows = [{k.strip(): (v or "").strip() for k, v in r.items() if k is not None} for r in reader]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise SchemaError(f"{path}: cannot be read ({e})") from None
+    missing_vtrain = [c for c in VTRAIN_COLUMNS if c not in header]
+    missing_throughput = [c for c in THROUGHPUT_INTS + THROUGHPUT_TEXT if c not in header]
+    if not missing_vtrain:
+        return VTRAIN, rows
+    if not missing_throughput:
+        return THROUGHPUT, rows
+    raise SchemaError(f"{path}: its columns match no known schema: vTrain's iteration times lack "
+                      f"{missing_vtrain[:3]}, the throughput compilation's lack {missing_throughput[:3]} "
+                      f"(results/external/README.md describes both)")
+
+
+def vtrain_row(text: dict) -> dict:
+    """A vTrain row typed: the keys of VTRAIN_COLUMNS (ms a float, the rest ints), params_b if given."""
+    row = {key: float(text[col]) if key == "ms" else int(text[col]) for col, key in VTRAIN_COLUMNS.items()}
+    if text.get(VTRAIN_PARAMS):
+        row["params_b"] = float(text[VTRAIN_PARAMS])
+    return row
+
+
+@cache
+def vtrain_rows(path: Path) -> tuple[dict, ...]:
+    """Every row of a vTrain file, typed (SchemaError for a file of another schema)."""
+    schema, rows = read(path)
+    if schema is not VTRAIN:
+        raise SchemaError(f"{path}: not a vTrain iteration-time file")
+    return tuple(vtrain_row(r) for r in rows)
+
+
+def vtrain_inputs(row: dict) -> st.StepInputs:
+    """A vTrain row as the model's input: Megatron's padded vocabulary and parameters per TP rank,
+    fp16, full recomputation, the global batch accumulated over micro-batches of the DP degree."""
+    model = {"layers": row["layers"], "hidden": row["hidden"], "heads": row["heads"], "seq_len": row["seq_len"],
+             "vocab_size": VTRAIN_VOCAB}
+    grad_accum = row["global_batch"] // (row["micro_batch"] * row["dp"])
+    return st.StepInputs(**st.shape_inputs(model, row["tp"]), micro_batch=row["micro_batch"], tp=row["tp"],
+                         dp=row["dp"], stage=0, recompute=True, grad_accum=grad_accum, element_bytes=2)
+
+
+def _shape_refusal(row: dict, model_parallel: int) -> str | None:
+    """Why the model cannot express a row's parallel layout or shape, or None."""
+    if row["pp"] > 1:
+        return PIPELINE_REFUSAL
+    if row["tp"] * row["dp"] * model_parallel != row["gpus"]:
+        return "shape: GPUs != TP x DP x PP (x CP)"
+    if row["global_batch"] % (row["micro_batch"] * row["dp"]):
+        return "shape: global batch not a multiple of micro-batch x DP"
+    try:
+        GPTShape(row["layers"], row["hidden"], row["heads"]).check_tp(row["tp"])
+    except ValueError as e:
+        return f"shape: {e}"
+    return None
+
+
+@cache
+def hardware(cluster: str) -> Hardware:
+    return profile(cluster)
+
+
+def _predicted(base: Outcome, x: st.StepInputs, system: str, cluster: str) -> Outcome:
+    """base predicted by `system` on `cluster`, or refused where the system cannot run x."""
+    if x.stage not in SYSTEMS[system].stages:
+        return _refused(base, f"system {system} runs ZeRO stages {list(SYSTEMS[system].stages)}, not {x.stage}")
+    try:
+        prediction = st.predict(x, hardware(cluster), system)
+    except ValueError as e:   # a constraint of the model's own (a kernel it cannot size, ...)
+        return _refused(base, f"the model cannot express it: {e}")
+    return Outcome(base.index, base.row, base.measured, base.measured_step_s, system, cluster, prediction,
+                   tokens_per_step=base.tokens_per_step)
+
+
+def _refused(base: Outcome, reason: str) -> Outcome:
+    return Outcome(base.index, base.row, base.measured, base.measured_step_s, reason=reason,
+                   tokens_per_step=base.tokens_per_step)
+
+
+def vtrain_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
+    try:
+        row = vtrain_row(text)
+    except ValueError as e:
+        return Outcome(index, text, None, None, reason=f"unreadable: {e}")
+    row["seq_band"] = seq_band(row["seq_len"])
+    base = Outcome(index, row, row["ms"] * 1e-3, row["ms"] * 1e-3)
+    why = _shape_refusal(row, row["pp"])
+    if why:
+        return _refused(base, why)
+    return _predicted(base, vtrain_inputs(row), system or VTRAIN_SYSTEM, cluster or VTRAIN_CLUSTER)
+
+
+def _cell(text: dict, col: str, kind: type) -> int | float | bool:
+    """A cell as int, float or bool (True/False); ValueError naming the column."""
+    value = text.get(col, "")
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError
+            return value.lower() == "true"
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"column {col} = {value!r}") from None
+
+
+def throughput_row(text: dict) -> dict:
+    """A throughput row typed (ValueError naming the column a cell does not parse in); an empty
+    optional cell takes its default: kv_heads the heads, ffn_hidden 4 x hidden, CP 1, DP the rest
+    of the GPUs, no offload, tokens per GPU the total over the GPUs."""
+    row = {col: _cell(text, col, int) for col in THROUGHPUT_INTS} | {col: text[col] for col in THROUGHPUT_TEXT}
+    given = {col for col in THROUGHPUT_OPTIONAL if text.get(col)}
+    row["kv_heads"] = _cell(text, "kv_heads", int) if "kv_heads" in given else row["heads"]
+    row["ffn_hidden"] = _cell(text, "ffn_hidden", int) if "ffn_hidden" in given else 4 * row["hidden"]
+    row["cp"] = _cell(text, "cp", int) if "cp" in given else 1
+    row["dp"] = _cell(text, "dp", int) if "dp" in given else row["gpus"] // (row["tp"] * row["pp"] * row["cp"])
+    row["activation_cpu_offload"] = "activation_cpu_offload" in given and _cell(text, "activation_cpu_offload", bool)
+    row["recompute"] = _cell(text, "activation_checkpointing", bool)
+    if row["measured_tokens_per_s_per_gpu"] or "measured_tokens_per_s_total" not in given:
+        row["tokens_per_s_per_gpu"] = _cell(text, "measured_tokens_per_s_per_gpu", float)
+    else:
+        row["tokens_per_s_per_gpu"] = _cell(text, "measured_tokens_per_s_total", float) / row["gpus"]
+    return row
+
+
+def _throughput_refusal(row: dict) -> str | None:
+    """Why the model cannot express a throughput row beyond its layout, or None."""
+    if row["cp"] > 1:
+        return "context parallelism > 1: not modelled"
+    if row["kv_heads"] != row["heads"]:
+        return "shape: grouped-query attention (kv_heads < heads): not modelled"
+    if row["ffn_hidden"] != 4 * row["hidden"]:
+        return "shape: an MLP width other than 4 x hidden: not modelled"
+    if row["activation_cpu_offload"]:
+        return "activation CPU offload: not modelled"
+    if row["precision"].removeprefix("amp_") not in st.PRECISION_BYTES:
+        return f"precision {row['precision']!r}: not modelled"
+    if not any(name in row["sharding"] for name in SHARDING_STAGES):
+        return f"sharding {row['sharding']!r}: not modelled"
+    return None
+
+
+def throughput_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
+    try:
+        row = throughput_row(text)
+    except ValueError as e:
+        return Outcome(index, text, None, None, reason=f"unreadable: {e}")
+    row["seq_band"] = seq_band(row["seq_len"])
+    tokens = row["global_batch"] * row["seq_len"]
+    base = Outcome(index, row, row["tokens_per_s_per_gpu"], tokens / (row["tokens_per_s_per_gpu"] * row["gpus"]),
+                   tokens_per_step=tokens)
+    why = _shape_refusal(row, row["pp"] * row["cp"]) or _throughput_refusal(row)
+    if why:
+        return _refused(base, why)
+    stage = next(stage for name, stage in SHARDING_STAGES.items() if name in row["sharding"])
+    if system is None:
+        who = "llm-foundry" if "llm-foundry" in row["source"] else row["source"] or "this source"
+        return _refused(base, f"no system for {who}'s FSDP yet (system=zero_repro prices this engine at its stage)")
+    if cluster is None and row["gpu"] not in GPU_CLUSTERS:
+        return _refused(base, f"no step-time profile for GPU {row['gpu']!r} (give cluster= to predict on one)")
+    model = {"layers": row["layers"], "hidden": row["hidden"], "heads": row["heads"], "seq_len": row["seq_len"],
+             "vocab_size": row["vocab"]}
+    x = st.StepInputs(**st.shape_inputs(model, row["tp"]), micro_batch=row["micro_batch"], tp=row["tp"],
+                      dp=row["dp"], stage=stage, recompute=row["recompute"],
+                      grad_accum=row["global_batch"] // (row["micro_batch"] * row["dp"]),
+                      element_bytes=st.PRECISION_BYTES[row["precision"].removeprefix("amp_")])
+    return _predicted(base, x, system, cluster or GPU_CLUSTERS[row["gpu"]])
+
+
+def predict_file(path: str | Path, system: str | None = None,
+                 cluster: str | None = None) -> tuple[Schema, list[Outcome]]:
+    """Every row of the file predicted or refused; `system` and `cluster` replace each row's own."""
+    schema, rows = read(path)
+    outcome = vtrain_outcome if schema is VTRAIN else throughput_outcome
+    return schema, [outcome(i, text, system, cluster) for i, text in enumerate(rows)]
+
+
+# -- the summary ------------------------------------------------------------------------------
+def error_stats(ratios: list[float]) -> dict:
+    """Rows, median ratio and |ratio - 1|'s median, 90th percentile and worst; the worst factor."""
+    errors = [abs(r - 1) for r in ratios]
+    return {"rows": len(ratios), "median_ratio": median(ratios), "median_error": median(errors),
+            "p90_error": quantile(errors, 0.9), "worst_error": max(errors),
+            "worst_factor": max(max(r, 1 / r) for r in ratios)}
+
+
+def summary(schema: Schema, outcomes: list[Outcome]) -> dict:
+    """Rows predicted (by system and cluster) and refused (by reason), the error over the
+    predicted rows (None without any), and the median ratio by each of the schema's groups."""
+    done = [o for o in outcomes if o.prediction is not None]
+    out = {"schema": schema.name, "description": schema.description, "unit": schema.unit, "rows": len(outcomes),
+           "predicted": len(done),
+           "predicted_by": dict(Counter(f"{o.system} on {o.cluster}" for o in done)),
+           "refused": len(outcomes) - len(done),
+           "refused_by_reason": dict(Counter(o.reason for o in outcomes if o.prediction is None).most_common()),
+           "error": None, "median_ratio_by_group": {}}
+    if not done:
+        return out
+    stats = error_stats([o.ratio for o in done])
+    worst = max(done, key=lambda o: abs(o.ratio - 1))
+    out["error"] = {"median": stats["median_error"], "p90": stats["p90_error"], "worst": stats["worst_error"],
+                    "worst_row": worst.index, "median_ratio": stats["median_ratio"]}
+    for label, key in schema.groups:
+        parts = defaultdict(list)
+        for o in done:
+            parts[o.row[key]].append(o.ratio)
+        out["median_ratio_by_group"][label] = {str(v): {"rows": len(r), "median_ratio": median(r)}
+                                               for v, r in sorted(parts.items(), key=_group_order)}
+    return out
+
+
+def _group_order(item: tuple) -> tuple:
+    """Numbers in numeric order, the sequence bands in SEQ_BANDS' order, text after."""
+    value = item[0]
+    bands = [label for _, label in SEQ_BANDS]
+    if isinstance(value, (int, float)):
+        return (0, value, "")
+    return (1, bands.index(value), "") if value in bands else (2, 0, str(value))
+
+
+def per_row(schema: Schema, o: Outcome) -> dict:
+    """One row's JSON object: predicted or refused, in the file's unit, with the step's terms (s)."""
+    return {"index": o.index, "status": "predicted" if o.prediction else "refused", "reason": o.reason,
+            "system": o.system, "cluster": o.cluster, "unit": schema.unit, "predicted": o.predicted,
+            "measured": o.measured, "ratio": o.ratio, "measured_step_s": o.measured_step_s,
+            "predicted_step_s": o.prediction.step_s if o.prediction else None,
+            "terms": dict(o.prediction.terms) if o.prediction else None}
