@@ -57,17 +57,18 @@ def documented_tiny_command() -> list[str]:
     return command
 
 
-def sbatch(slurm: LocalSlurm, tmp_path: Path, command: list[str], env: dict[str, str] | None = None):
-    """Run an `sbatch ...` command line as given, adding only --wait and a log path of the test's."""
+def sbatch(slurm: LocalSlurm, tmp_path: Path, command: list[str],
+           env: dict[str, str] | None = None) -> tuple[dict[str, str], str, Path | None]:
+    """Run an `sbatch ...` command line as given, adding only --parsable and a log path of the
+    test's, until the job ends (polled here: sbatch --wait polls at growing intervals, which cost
+    the tier 10-15 s a job); the job's final state, its id and its log."""
     assert command[0] == "sbatch"
-    done = slurm.run("sbatch", "--wait", f"--output={tmp_path}/%x-%j.log", *command[1:], cwd=REPO,
-                     env={"ZERO_REPRO_SLURM_RESULTS": str(tmp_path), **(env or {})})
-    job = done.stdout.split()[-1] if done.stdout.strip() else "?"
-    return done, tmp_path / job, next(tmp_path.glob(f"*-{job}.log"), None)
+    job = submit(slurm, tmp_path, *command[1:], env=env)
+    return wait_for_end(slurm, job, timeout=600), job, next(tmp_path.glob(f"*-{job}.log"), None)
 
 
 def submit(slurm: LocalSlurm, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> str:
-    """`sbatch args` without waiting, records under tmp_path; the job's id."""
+    """`sbatch args` without waiting, log and records under tmp_path (unless `env` says where); the job's id."""
     done = slurm.run("sbatch", "--parsable", f"--output={tmp_path}/%x-%j.log", *args, cwd=REPO,
                      env={"ZERO_REPRO_SLURM_RESULTS": str(tmp_path), **(env or {})})
     assert done.returncode == 0, done.stderr
@@ -76,7 +77,7 @@ def submit(slurm: LocalSlurm, tmp_path: Path, *args: str, env: dict[str, str] | 
 
 def job_state(slurm: LocalSlurm, job: str) -> dict[str, str]:
     return dict(word.split("=", 1) for word in slurm.run("scontrol", "show", "job", job).stdout.split()
-                if word.startswith(("JobState=", "Restarts=", "NodeList=")))
+                if word.startswith(("JobState=", "Restarts=", "NodeList=", "ExitCode=")))
 
 
 def wait_for_end(slurm: LocalSlurm, job: str, timeout: float) -> dict[str, str]:
@@ -92,8 +93,9 @@ def wait_for_end(slurm: LocalSlurm, job: str, timeout: float) -> dict[str, str]:
 def test_run_13b_tiny_cpu_version_runs_as_documented(slurm, tmp_path):
     command = documented_tiny_command()
     assert "--cpus-per-task=1" in command  # run_13b.sh asks for 32: as written it would stay pending here
-    done, job_dir, log = sbatch(slurm, tmp_path, command)
-    assert done.returncode == 0, (done.stderr, log and log.read_text())
+    state, job, log = sbatch(slurm, tmp_path, command)
+    assert state["JobState"] == "COMPLETED", (state, log and log.read_text())
+    job_dir = tmp_path / job
     status = json.loads((job_dir / "job_status.json").read_text())
     assert status["status"] == "ok" and status["exit_code"] == 0 and "model=fig4_13b" in status["overrides"]
     [record] = load_records(job_dir, "run_13b")
@@ -108,9 +110,9 @@ def test_run_13b_tiny_cpu_version_across_two_nodes(slurm, tmp_path):
     node1's NodeAddr (the names resolve nowhere: at node1's name torchrun would retry until the
     job's time limit), the ZeRO-2 traffic of the theory across the nodes."""
     env, command = documented_command("docs/slurm.md", "the tiny CPU version on two nodes")
-    done, job_dir, log = sbatch(slurm, tmp_path, command, env)
-    text = log.read_text()
-    assert done.returncode == 0, (done.stderr, text[-3000:])
+    state, job, log = sbatch(slurm, tmp_path, command, env)
+    text, job_dir = log.read_text(), tmp_path / job
+    assert state["JobState"] == "COMPLETED", (state, text[-3000:])
     assert "2 node(s) x 1 ranks, rendezvous 127.0.0.1:" in text and "(node1's NodeAddr)" in text
     status = json.loads((job_dir / "job_status.json").read_text())
     assert status["status"] == "ok" and status["nodes"] == ["node1", "node2"]
@@ -124,8 +126,9 @@ def test_run_13b_tiny_cpu_version_across_two_nodes(slurm, tmp_path):
 
 
 def test_bad_override_leaves_an_invalid_status_and_a_readable_log(slurm, tmp_path):
-    done, job_dir, log = sbatch(slurm, tmp_path, ["sbatch", *SMALL_NODE, "slurm/run_7b_zero2.sh", *TINY, "stage=7"])
-    assert done.returncode != 0
+    state, job, log = sbatch(slurm, tmp_path, ["sbatch", *SMALL_NODE, "slurm/run_7b_zero2.sh", *TINY, "stage=7"])
+    assert state["JobState"] == "FAILED" and state["ExitCode"] == "2:0"
+    job_dir = tmp_path / job
     status = json.loads((job_dir / "job_status.json").read_text())
     assert status["status"] == "invalid" and status["exit_code"] == 2
     assert "error: stage must be one of [0, 1, 2, 3], got 7" in log.read_text()
@@ -139,11 +142,10 @@ def test_a_results_folder_another_node_cannot_see_is_refused(slurm, tmp_path):
     if slurm.node_local is None:
         pytest.skip("this machine allows no mount namespace: node2 cannot have a folder of its own")
     results = slurm.node_local / tmp_path.name
-    done = slurm.run("sbatch", "--wait", f"--output={tmp_path}/%x-%j.log", *TWO_NODES, "slurm/run_7b_zero2.sh",
-                     *TINY, cwd=REPO, env={"ZERO_REPRO_SLURM_RESULTS": str(results)})
-    job = done.stdout.split()[-1]
-    log = next(tmp_path.glob(f"*-{job}.log")).read_text()
-    assert done.returncode != 0
+    state, job, log = sbatch(slurm, tmp_path, ["sbatch", *TWO_NODES, "slurm/run_7b_zero2.sh", *TINY],
+                             {"ZERO_REPRO_SLURM_RESULTS": str(results)})
+    log = log.read_text()
+    assert state["JobState"] == "FAILED" and state["ExitCode"] == "2:0"
     status = json.loads((results / job / "job_status.json").read_text())
     assert status["status"] == "invalid" and status["exit_code"] == 2
     assert f"error: the results folder {results / job} is not shared: node2 cannot read what node1 wrote" in log
