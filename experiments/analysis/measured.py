@@ -44,7 +44,8 @@ VTRAIN_COLUMNS = {"# GPUs": "gpus", "global batch": "global_batch", "micro batch
 VTRAIN_PARAMS = "Parameters (billion)"
 # the throughput compilation's columns this reads (the rest are provenance); ints, then text
 THROUGHPUT_INTS = ("gpus", "layers", "hidden", "heads", "vocab", "seq_len", "micro_batch", "global_batch", "tp", "pp")
-THROUGHPUT_TEXT = ("source", "gpu", "sharding", "precision", "activation_checkpointing", "measured_tokens_per_s_per_gpu")
+THROUGHPUT_TEXT = ("source", "gpu", "sharding", "precision", "activation_checkpointing",
+                   "measured_tokens_per_s_per_gpu")
 # read when present: an empty cell or missing column takes the default (kv_heads: heads, ffn_hidden: 4 x hidden)
 THROUGHPUT_OPTIONAL = ("kv_heads", "ffn_hidden", "dp", "cp", "activation_cpu_offload", "measured_tokens_per_s_total")
 # FSDP's sharding strategies as ZeRO stages (the compilation names them inside longer text)
@@ -271,7 +272,8 @@ def throughput_outcome(index: int, text: dict, system: str | None, cluster: str 
     stage = next(stage for name, stage in SHARDING_STAGES.items() if name in row["sharding"])
     if system is None:
         who = "llm-foundry" if "llm-foundry" in row["source"] else row["source"] or "this source"
-        return _refused(base, f"no system for {who}'s FSDP yet (system=zero_repro prices this engine at its stage)")
+        return _refused(base, f"no system for {who}'s FSDP yet "
+                              "(system=zero_repro predicts this engine at the row's ZeRO stage)")
     if cluster is None and row["gpu"] not in GPU_CLUSTERS:
         return _refused(base, f"no step-time profile for GPU {row['gpu']!r} (give cluster= to predict on one)")
     model = {"layers": row["layers"], "hidden": row["hidden"], "heads": row["heads"], "seq_len": row["seq_len"],
