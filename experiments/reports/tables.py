@@ -247,21 +247,39 @@ def micro_batches_per_step(record: dict) -> int:
     return int(record.get("config", {}).get("train", {}).get("grad_accum_steps") or 1)
 
 
+def theory_elements_per_step(record: dict) -> int | None:
+    """The elements the engine moves per optimizer step by its schedule, from the record's formula
+    for a step of one micro-batch (comm.theory_elements_per_step: 2Ψ; stage 3 3Ψ less the root
+    kept gathered) and its m accumulated micro-batches (zero_impl/engine.py backward): stages 0-1
+    reduce the gradients on the last micro-batch only, 2Ψ; stage 2 has no full-size gradient to
+    accumulate into, so it reduce-scatters every micro-batch and gathers the parameters once,
+    (m + 1)Ψ; stage 3 gathers and reduce-scatters every micro-batch, m times its one-micro-batch
+    formula. None for a record without traffic (not run, or failed before its first step)."""
+    one, m = record.get("comm", {}).get("theory_elements_per_step"), micro_batches_per_step(record)
+    return None if one is None else {2: one // 2 * (m + 1), 3: one * m}.get(record["stage"], one)
+
+
+def theory_per_psi(stage: int, micro_batches: int) -> int:
+    """The paper's schedule per optimizer step in units of Ψ (theory_elements_per_step with
+    every stage-3 unit gathered twice): 2, 2, m + 1, 3m; Sec 7's 2Ψ and 3Ψ at m = 1."""
+    return {2: micro_batches + 1, 3: 3 * micro_batches}.get(stage, 2)
+
+
 def comm_table(records: list[dict]) -> pd.DataFrame:
-    """Elements moved per step against the paper's 2Ψ (stages 0-2) and 3Ψ (stage 3)."""
+    """Elements moved per optimizer step against the engine's schedule for the record's stage and
+    micro-batches (theory_elements_per_step; Sec 7's 2Ψ and 3Ψ at one micro-batch)."""
     rows = []
     for r in records:
         ok = r["status"] == "ok"
         psi = r.get("params_per_gpu") or None
         comm = r.get("comm", {})
+        m = micro_batches_per_step(r)
         rows.append({"experiment": r["experiment"], "model": r["model"]["name"], "stage": STAGE_NAMES[r["stage"]],
-                     "nd": r["dp"],
-                     # accumulated per optimizer step, each reducing the gradients: over 1, not Sec 7's per-step count
-                     "micro_batches": micro_batches_per_step(r),
+                     "nd": r["dp"], "micro_batches": m,
                      "psi": psi, "elements_per_step": comm.get("elements_per_step") if ok else None,
-                     "theory": comm.get("theory_elements_per_step") if ok else None,
+                     "theory": theory_elements_per_step(r) if ok else None,
                      "per_psi": comm["elements_per_step"] / psi if ok and psi and r["dp"] > 1 else None,
-                     "theory_per_psi": (3 if r["stage"] == 3 else 2) if r["dp"] > 1 else 0,
+                     "theory_per_psi": theory_per_psi(r["stage"], m) if r["dp"] > 1 else 0,
                      "status": r["status"], "measured_by": measured_by(r)})
     return pd.DataFrame(rows)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from experiments import records
 from experiments.points import Point
-from experiments.reports.tables import optimizer_step_of, peak_breakdown_gb
+from experiments.reports.tables import optimizer_step_of, peak_breakdown_gb, theory_elements_per_step
 from experiments.run.record import MEASURED_BY, simulated_path
 
 
@@ -31,7 +31,7 @@ def summary_row(record: dict, point: Point | None = None) -> dict:
         "mem_pred_GB": memory.get("predicted", {}).get("total", 0) / gb,
         "mem_meas_GB": measured.get("total", 0) / gb if ok else None,
         "peak_GB": measured.get("peak_bytes", 0) / gb if ok else None,
-        "comm_elements": comm.get("elements_per_step"), "comm_theory": comm.get("theory_elements_per_step"),
+        "comm_elements": comm.get("elements_per_step"), "comm_theory": theory_elements_per_step(record),
         "status": record.get("status", "missing"), "point_id": shape["point_id"]}
 
 
@@ -128,7 +128,7 @@ def simulated_summary_row(r: dict, point: Point | None = None, rank: int = 0) ->
         "zero_r": "/".join(n for k, n in (("partition_activations", "Pa"), ("cpu_checkpointing", "cpu"),
                                           ("contiguous_memory_optimization", "MD")) if config["zero"].get(k)) or "-",
         "comm_elements": comm.get("dp_elements_per_step", comm.get("elements_per_step")),
-        "comm_theory": comm.get("theory_elements_per_step"),
+        "comm_theory": theory_elements_per_step(r),
         "tp_elements": (comm.get("tp_megatron") or {}).get("elements_per_step"),
         "tp_theory": (comm.get("tp_megatron") or {}).get("theory_elements_per_step"),
         "status": r.get("status", "missing"), "measured_by": r.get("measured_by", MEASURED_BY),

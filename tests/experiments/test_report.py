@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from experiments.reports import scorecard, tables
+from experiments.reports.comm_claims import counted
 from experiments.records import load_records, validate_record
 from experiments.report import build_tables, experiment_tables, format_number, latex_escape, to_latex, write_reports
 
@@ -314,11 +315,45 @@ def test_the_scorecards_communication_rows_count_steps_of_one_micro_batch():
     assert list(comm.micro_batches) == [1, 8] and list(comm.per_psi.round(2)) == [2.0, 9.0]
     row = with_plan.loc["Communication: Pos+g"]
     assert row.ours == card.loc["Communication: Pos+g"].ours + (
-        "; 2 records accumulating micro-batches left out (the claim is per step of one micro-batch; they reduce "
-        "the gradients once per micro-batch)")
+        "; 2 records accumulating micro-batches left out (the claim is per step of one micro-batch; stages 2-3 "
+        "reduce-scatter the gradients once per micro-batch)")
     assert "9.0000" not in row.ours and with_plan.loc["Communication: data parallelism"].ours == \
         card.loc["Communication: data parallelism"].ours
     stage3 = card.loc["Communication: Pos+g+p"].ours
     assert re.match(r"2\.\d{4}-2\.\d{4}Ψ per step \(stage 3\): 3Ψ less the root unit's second gather, "
                     r"0\.\d{4}-0\.\d{4}Ψ here, which stage3_keep_root \(the default\) saves; "
                     r"stage3_keep_root=false gives 3Ψ$", stage3), stage3
+
+
+# What the engine moved for tiny_s at 4 ranks, 4 micro-batches a step (simulate=true, Ψ = 169,728):
+# stages 0-1 2Ψ (one reduction a step), stage 2 5Ψ (a reduce-scatter per micro-batch, one gather),
+# stage 3 with stage3_keep_root=false 12Ψ (its whole schedule per micro-batch), padding aside.
+ACCUMULATED_PER_PSI = {0: 2, 1: 2, 2: 5, 3: 12}
+
+
+def test_only_stages_2_3_accumulating_records_are_left_out_and_the_theory_counts_their_micro_batches():
+    """Stages 0-1 reduce the gradients once per optimizer step whatever it accumulates: such
+    records test Sec 7's 2Ψ and count. Stages 2-3 are left out, and communication.md's `theory`
+    is the engine's (m + 1)Ψ at stage 2 and m times the one-micro-batch count at stage 3."""
+    reference = load_records(REPO / "results" / "reference" / "runs")
+    def first(stage: int, simulated: bool) -> dict:
+        return next(r for r in reference if r["stage"] == stage and r["dp"] > 1 and r["status"] == "ok"
+                    and (r.get("measured_by") == "simulated") == simulated and not r.get("zero_r_config"))
+    accumulating = []
+    for stage, simulated in ((0, True), (1, True), (2, True), (3, False)):
+        r = copy.deepcopy(first(stage, simulated))
+        r["config"]["train"]["grad_accum_steps"] = 4
+        r["comm"]["elements_per_step"] = r["comm"]["dp_elements_per_step"] = \
+            ACCUMULATED_PER_PSI[stage] * r["params_per_gpu"]
+        accumulating.append(r)
+    by_stage, left_out = counted(reference + accumulating, simulated=True)
+    assert left_out == {2: 1} and by_stage[0].per_psi.count(2.0) == counted(reference, True)[0][0].per_psi.count(2.0) + 1
+    assert counted(reference + accumulating, simulated=False)[1] == {3: 1}
+    card = scorecard.scorecard(reference).set_index("artefact")
+    with_them = scorecard.scorecard(reference + accumulating).set_index("artefact")
+    assert with_them.loc["Communication: data parallelism"].ours == card.loc["Communication: data parallelism"].ours
+    comm = tables.comm_table(accumulating)
+    assert list(comm.theory_per_psi) == [2, 2, 5, 12]
+    psi = [r["params_per_gpu"] for r in accumulating]
+    one = accumulating[3]["comm"]["theory_elements_per_step"]  # 3Ψ less the root kept gathered
+    assert list(comm.theory) == [2 * psi[0], 2 * psi[1], 5 * psi[2], 4 * one]
