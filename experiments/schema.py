@@ -105,7 +105,7 @@ class TrainSettings:
     fault: str = "none"           # none | raise, hang (rank 0) | raise_last_rank, hang_last_rank | slow (+1 s a step)
     checkpoint_every: int = 0     # save a checkpoint every N steps (0: only when the launcher asks to stop)
     resume: bool = False          # start from the latest complete checkpoint under checkpoint_dir, if any
-    checkpoint_dir: str = ""      # "": <results_dir>/<experiment>/checkpoints/<point_id>
+    checkpoint_dir: str = ""      # "": <results_dir>/<experiment>/checkpoints/<checkpoint id> (the point id less train.steps)
     layer_spec: str = "local"     # local: megatron's own layers; transformer_engine: TE's fused ones
     # Slurm's warning before the time limit, in which the ranks finish a step and checkpoint:
     # #SBATCH --signal=B:USR1@<this> in slurm/run_*.sh (a test checks they agree)
