@@ -131,11 +131,28 @@ def read(path: str | Path) -> tuple[Schema, list[dict]]:
                       f"(results/external/README.md describes both)")
 
 
+def _cell(text: dict, col: str, kind: type) -> int | float | bool:
+    """A cell as a positive int or float (every size and measurement here is), or a bool
+    (True/False); ValueError naming the column."""
+    value = text.get(col, "")
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError
+            return value.lower() == "true"
+        number = kind(value)
+        if number <= 0:
+            raise ValueError
+        return number
+    except ValueError:
+        raise ValueError(f"column {col} = {value!r}") from None
+
+
 def vtrain_row(text: dict) -> dict:
     """A vTrain row typed: the keys of VTRAIN_COLUMNS (ms a float, the rest ints), params_b if given."""
-    row = {key: float(text[col]) if key == "ms" else int(text[col]) for col, key in VTRAIN_COLUMNS.items()}
+    row = {key: _cell(text, col, float if key == "ms" else int) for col, key in VTRAIN_COLUMNS.items()}
     if text.get(VTRAIN_PARAMS):
-        row["params_b"] = float(text[VTRAIN_PARAMS])
+        row["params_b"] = _cell(text, VTRAIN_PARAMS, float)
     return row
 
 
@@ -206,19 +223,6 @@ def vtrain_outcome(index: int, text: dict, system: str | None, cluster: str | No
     if why:
         return _refused(base, why)
     return _predicted(base, vtrain_inputs(row), system or VTRAIN_SYSTEM, cluster or VTRAIN_CLUSTER)
-
-
-def _cell(text: dict, col: str, kind: type) -> int | float | bool:
-    """A cell as int, float or bool (True/False); ValueError naming the column."""
-    value = text.get(col, "")
-    try:
-        if kind is bool:
-            if value.lower() not in ("true", "false"):
-                raise ValueError
-            return value.lower() == "true"
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"column {col} = {value!r}") from None
 
 
 def throughput_row(text: dict) -> dict:

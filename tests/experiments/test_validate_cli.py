@@ -186,6 +186,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert code == 2 and "unknown key 'sytem'" in err and "did you mean 'system'?" in err
     code, _, err = run(capsys, tmp_path / "missing.csv")
     assert code == 2 and "no such file" in err
+    # a row that does not parse is refused with the column, the rest of the file still runs
+    bad = write(tmp_path / "bad.csv", VTRAIN_HEADER, [[2, 16, 0, 1024, 16, 2, 1024, 1, 2, 1, 60.0],
+                                                      [2, 16, 1, 1024, 16, 2, 1024, 1, 2, 1, "n/a"]])
+    reasons = [r["reason"] for r in as_json(capsys, bad)["per_row"]]
+    assert reasons == ["unreadable: column micro batch = '0'", "unreadable: column iteration time (ms) = 'n/a'"]
     # the module as users run it
     done = subprocess.run([sys.executable, "-m", "experiments.validate", str(other), "cluster=moon"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
