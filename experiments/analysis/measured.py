@@ -212,7 +212,7 @@ def _refused(base: Outcome, reason: str) -> Outcome:
                    tokens_per_step=base.tokens_per_step)
 
 
-def vtrain_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
+def _vtrain_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
     try:
         row = vtrain_row(text)
     except ValueError as e:
@@ -261,7 +261,7 @@ def _throughput_refusal(row: dict) -> str | None:
     return None
 
 
-def throughput_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
+def _throughput_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
     try:
         row = throughput_row(text)
     except ValueError as e:
@@ -293,7 +293,7 @@ def predict_file(path: str | Path, system: str | None = None,
                  cluster: str | None = None) -> tuple[Schema, list[Outcome]]:
     """Every row of the file predicted or refused; `system` and `cluster` replace each row's own."""
     schema, rows = read(path)
-    outcome = vtrain_outcome if schema is VTRAIN else throughput_outcome
+    outcome = _vtrain_outcome if schema is VTRAIN else _throughput_outcome
     return schema, [outcome(i, text, system, cluster) for i, text in enumerate(rows)]
 
 
