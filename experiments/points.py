@@ -401,21 +401,30 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def check_host_memory(point: Point, ranks_here: int, available: int | None = None) -> None:
-    """A point run for real on CPU processes must fit this host: its predicted peak per process
+def host_memory_shortfall(point: Point, ranks_here: int, available: int | None = None) -> tuple[int, float] | None:
+    """(predicted bytes per process, bytes per process the host can give) where a point run for
+    real on CPU processes does not fit this host, else None: its predicted peak per process
     (predicted_memory_bytes, the dry run's prediction, at the precision it trains in here and
-    without dropout, as the benchmark model has none) within the host's available memory
+    without dropout, as the benchmark model has none) against the host's available memory
     (`available`, default host_available_bytes) divided among its `ranks_here` ranks on this host.
-    Checked before anything is built: a paper-sized point would otherwise take the host's memory
-    within seconds. GPU ranks hold their tensors on the device: not checked here."""
+    GPU ranks hold their tensors on the device: not checked."""
     if torch.cuda.is_available():
-        return
+        return None
     available = host_available_bytes() if available is None else available
     if available is None:
-        return
+        return None
     needed = predicted_memory_bytes(point, resolve_precision(point.train["precision"]), dropout=False)["total"]
     per_rank = available / ranks_here
-    if needed > per_rank:
+    return (needed, per_rank) if needed > per_rank else None
+
+
+def check_host_memory(point: Point, ranks_here: int, available: int | None = None) -> None:
+    """Refuse a point that does not fit this host (host_memory_shortfall), before anything is
+    built: a paper-sized point would otherwise take the host's memory within seconds."""
+    available = host_available_bytes() if available is None else available
+    short = host_memory_shortfall(point, ranks_here, available)
+    if short is not None:
+        needed, per_rank = short
         raise ConfigError(f"point ({point.describe()}) needs {needed / 1e9:.2f} GB per process (predicted) and this host "
                           f"can give {per_rank / 1e9:.2f} GB per process (MemAvailable {available / 1e9:.2f} GB over "
                           f"{ranks_here} rank(s)): see its memory with simulate=true (sweep.py: also dry_run=true), or run it "

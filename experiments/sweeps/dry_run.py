@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from experiments.models.gpt_shape import parameter_count
-from experiments.points import ConfigError, Point, check_host_memory, local_devices, predicted_memory_bytes
+from experiments.points import Point, host_memory_shortfall, local_devices, predicted_memory_bytes
 from experiments.sweeps.summary import format_bytes
 
 
@@ -16,7 +16,9 @@ def dry_run(points: list[Point]) -> None:
     print("memory per GPU, analytic (formulas, no simulation): the larger of backward's Table 1 model states + "
           "activations (Korthikanti et al. 2022, dropout masks counted, checkpoints replicated over TP unless the "
           "point's ZeRO-R Pa partitions them, on the host with Pa+cpu) + engine buffers, and the optimizer step's "
-          "model states + its temporaries; 'fits (analytic)' against cluster.device_memory_gb")
+          "model states + its temporaries; 'fits (analytic)' against cluster.device_memory_gb. 'runnable here' "
+          "checks this machine's devices and, for CPU ranks, the host's available memory per rank against the point "
+          "at the precision a CPU run trains in (auto: fp32, not the half precision of the sizes here)")
     print("| point | layers | hidden | heads | params (B) | GPUs | TP | DP | stage | batch | micro-batch | recompute "
           "| model states/GPU | activations/GPU | buffers/GPU | step temporaries/GPU | total/GPU | fits (analytic) "
           "| runnable here |")
@@ -42,11 +44,12 @@ def dry_run(points: list[Point]) -> None:
 def _runnable_here(point: Point) -> str:
     """Whether sweep.py could run the point for real on this machine: enough devices (or CPU
     ranks), and on CPU its predicted memory per process within what the host has available, the
-    check a real run makes before it builds anything (points.check_host_memory)."""
+    check a real run makes before it builds anything (points.host_memory_shortfall), with both
+    numbers where it is not."""
     if point.gpus > local_devices(point.cluster)[0]:
         return "no (devices)"
-    try:
-        check_host_memory(point, ranks_here=point.gpus)
-    except ConfigError:
-        return "no (host memory)"
+    short = host_memory_shortfall(point, ranks_here=point.gpus)
+    if short is not None:
+        needed, per_rank = short
+        return f"no (host: {format_bytes(needed)} > {format_bytes(per_rank)} per rank)"
     return "yes"

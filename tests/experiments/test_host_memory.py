@@ -3,6 +3,7 @@ memory per process exceeds what the host has available (points.check_host_memory
 records it `invalid` and goes on; ignore_host_memory=true runs it anyway."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -63,5 +64,10 @@ def test_the_dry_run_says_a_point_that_the_host_cannot_hold_is_not_runnable_here
     monkeypatch.setattr(points, "host_available_bytes", lambda: 24 * 10**9)
     dry_run(expand(compose("model=fig4_13b", "gpus=[1]", "stage=2", "dry_run=true"))
             + expand(compose("model=tiny_s", "gpus=[1]", "stage=2", "dry_run=true")))
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| fig4_13b") or line.startswith("| tiny_s")]
-    assert [row.rstrip(" |").rsplit("| ", 1)[1] for row in rows] == ["no (host memory)", "yes"]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| fig4_13b") or line.startswith("| tiny_s")]
+    here = [row.rstrip(" |").rsplit("| ", 1)[1] for row in rows]
+    assert re.fullmatch(r"no \(host: (\d+\.\d\d) GB > 24\.00 GB per rank\)", here[0]) and here[1] == "yes", here
+    # the row's sizes are the GPUs' half precision, the host check the CPU's fp32: the header says so
+    assert float(here[0].split()[2]) != float(rows[0].split("|")[-4].split()[0])
+    assert "precision a CPU run trains in (auto: fp32" in out
