@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -388,47 +389,100 @@ def check_runnable_here(points: list[Point]) -> None:
                               "List it with dry_run=true, or run it through a SLURM launcher")
 
 
-def host_available_bytes() -> int | None:
-    """What this host can give new allocations now without swapping: /proc/meminfo's MemAvailable
-    (None where there is no /proc/meminfo)."""
+# Overrides every limit host_available reads: a user's own cap (this many bytes, whatever the host
+# says), and the tests' way to give the check a host of a known size.
+HOST_MEMORY_ENV = "ZERO_REPRO_HOST_MEMORY_BYTES"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What this host can give new allocations now, and which limit that is."""
+    bytes: int
+    source: str  # e.g. "MemAvailable", "/sys/fs/cgroup/memory.max less memory.current"
+
+
+def host_available(meminfo: Path = Path("/proc/meminfo"), self_cgroup: Path = Path("/proc/self/cgroup"),
+                   cgroup_root: Path = Path("/sys/fs/cgroup")) -> HostMemory | None:
+    """The least of /proc/meminfo's MemAvailable and what this process's memory cgroups still
+    allow (Slurm's job, a container: what they enforce, whatever the host has free); the
+    ZERO_REPRO_HOST_MEMORY_BYTES environment variable replaces them all. None where none is known."""
+    override = os.environ.get(HOST_MEMORY_ENV)
+    if override:
+        try:
+            return HostMemory(int(float(override)), HOST_MEMORY_ENV)
+        except ValueError:
+            raise ConfigError(f"{HOST_MEMORY_ENV}={override!r} is not a number of bytes") from None
+    limits = [*_cgroup_headroom(self_cgroup, cgroup_root)]
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        kib = next(line.split()[1] for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:"))
+        limits.append(HostMemory(int(kib) * 1024, "MemAvailable"))
+    except (OSError, StopIteration):
         pass
-    return None
+    return min(limits, key=lambda m: m.bytes, default=None)
 
 
-def host_memory_shortfall(point: Point, ranks_here: int, available: int | None = None) -> tuple[int, float] | None:
+def _cgroup_headroom(self_cgroup: Path, cgroup_root: Path) -> list[HostMemory]:
+    """Limit less usage of each memory cgroup this process is in (/proc/self/cgroup), at its own
+    level and every level above it: Slurm sets the job's limit on job_<id>, above the step's
+    cgroup. cgroup v2: memory.max (unless 'max') - memory.current; v1: memory.limit_in_bytes -
+    memory.usage_in_bytes."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, limit, usage = cgroup_root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit, usage = cgroup_root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        for level in (folder, *folder.parents):
+            if not level.is_relative_to(base):
+                break
+            try:
+                cap, used = (level / limit).read_text().strip(), int((level / usage).read_text())
+            except (OSError, ValueError):
+                continue
+            if cap != "max":
+                found.append(HostMemory(max(int(cap) - used, 0), f"{level / limit} less {usage}"))
+    return found
+
+
+def ranks_on_gpus() -> bool:
+    """Whether this host's ranks hold their tensors on GPUs (then the host check does not apply)."""
+    return torch.cuda.is_available()
+
+
+def host_memory_shortfall(point: Point, ranks_here: int, available: HostMemory | None) -> tuple[int, float] | None:
     """(predicted bytes per process, bytes per process the host can give) where a point run for
     real on CPU processes does not fit this host, else None: its predicted peak per process
     (predicted_memory_bytes, the dry run's prediction, at the precision it trains in here and
-    without dropout, as the benchmark model has none) against the host's available memory
-    (`available`, default host_available_bytes) divided among its `ranks_here` ranks on this host.
-    GPU ranks hold their tensors on the device: not checked."""
-    if torch.cuda.is_available():
-        return None
-    available = host_available_bytes() if available is None else available
-    if available is None:
+    without dropout, as the benchmark model has none) against `available` (host_available)
+    divided among its `ranks_here` ranks on this host. GPU ranks hold their tensors on the
+    device: not checked."""
+    if ranks_on_gpus() or available is None:
         return None
     needed = predicted_memory_bytes(point, resolve_precision(point.train["precision"]), dropout=False)["total"]
-    per_rank = available / ranks_here
+    per_rank = available.bytes / ranks_here
     return (needed, per_rank) if needed > per_rank else None
 
 
-def check_host_memory(point: Point, ranks_here: int, available: int | None = None) -> None:
-    """Refuse a point that does not fit this host (host_memory_shortfall), before anything is
-    built: a paper-sized point would otherwise take the host's memory within seconds."""
-    available = host_available_bytes() if available is None else available
+def check_host_memory(point: Point, ranks_here: int, available: HostMemory | None = None) -> None:
+    """Refuse a point that does not fit this host (host_memory_shortfall; `available` default
+    host_available()), before anything is built: a paper-sized point would otherwise take the
+    host's memory within seconds."""
+    available = host_available() if available is None else available
     short = host_memory_shortfall(point, ranks_here, available)
     if short is not None:
         needed, per_rank = short
         raise ConfigError(f"point ({point.describe()}) needs {needed / 1e9:.2f} GB per process (predicted) and this host "
-                          f"can give {per_rank / 1e9:.2f} GB per process (MemAvailable {available / 1e9:.2f} GB over "
-                          f"{ranks_here} rank(s)): see its memory with simulate=true (sweep.py: also dry_run=true), or run it "
-                          "anyway with ignore_host_memory=true")
+                          f"can give {per_rank / 1e9:.2f} GB per process ({available.source} {available.bytes / 1e9:.2f} "
+                          f"GB over {ranks_here} rank(s)): see its memory with simulate=true (sweep.py: also "
+                          "dry_run=true), or run it anyway with ignore_host_memory=true")
 
 
 # zero_impl.checkpoint writes each trainable parameter's fp32 master and Adam's two fp32 moments

@@ -69,12 +69,26 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
     point = point_from_train_config(cfg)
     if cfg.simulate:
         check_simulate_rank([point], cfg.simulate_rank)
-    elif os.environ.get("ZERO_REPRO_CHECK_ONLY") == "1":  # slurm/launch.sh's check, once per job: its plan
-        print(launch_plan(point, cpu_normal_draws_per_s()))
     else:
-        check_launcher_world(point, sys.argv[1:])
-        if not cfg.ignore_host_memory:  # the ranks this host runs of the job (torchrun sets it; plain python: one)
-            check_host_memory(point, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if os.environ.get("ZERO_REPRO_CHECK_ONLY") == "1":  # slurm/launch.sh's check, once per job: its plan
+            print(launch_plan(point, cpu_normal_draws_per_s()))
+        else:
+            check_launcher_world(point, sys.argv[1:])
+        if not cfg.ignore_host_memory:
+            check_host_memory_once(point)
+
+
+def check_host_memory_once(point: Point) -> None:
+    """points.check_host_memory for the ranks this host runs of the job (LOCAL_WORLD_SIZE: torchrun
+    sets it, slurm/launch.sh's check its ranks per node; plain python: one). Every rank checks, so
+    that none builds a point its host cannot hold; local rank 0 alone says why, once a host, and
+    the others exit with the same code quietly."""
+    try:
+        check_host_memory(point, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ConfigError:
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            sys.exit(2)
+        raise
 
 
 def free_port() -> int:

@@ -3,9 +3,10 @@
 #
 #   slurm/launch.sh <Hydra overrides of experiments/train.py, including gpus=N>
 #
-# It checks the overrides and then the job against its allocation (gpus a multiple of the GPUs
-# per node, GPUS_PER_NODE matching the allocation, a results folder every node sees): bad input
-# is one line, status "invalid", exit 2, nothing started. Then it starts one torchrun per node
+# It checks the job against its allocation (gpus a multiple of the GPUs per node, GPUS_PER_NODE
+# matching the allocation), the overrides (on CPU nodes also the point's memory against the
+# node's), and a results folder every node sees: bad input is one line, status "invalid", exit 2,
+# nothing started. Then it starts one torchrun per node
 # through srun (slurm/node.sh; each rank under slurm/rank.sh), with c10d rendezvous at the first
 # node's address as Slurm has it (NodeAddr: node names may resolve nowhere), running
 # experiments/train.py on gpus/nodes ranks per node. Records land in a folder of this job,
@@ -96,10 +97,7 @@ refuse() {  # message: the job's input is wrong; nothing has started (status inv
 GPUS=""
 for arg in "$@"; do case "$arg" in gpus=*) GPUS="${arg#gpus=}" ;; esac; done
 [ -n "$GPUS" ] || refuse "launch.sh needs a gpus=N override"
-if ! ZERO_REPRO_CHECK_ONLY=1 "$PYTHON" "$REPO/experiments/train.py" "$@"; then
-    write_status invalid 2 "the overrides were rejected (see the log)"
-    echo "job $JOB: invalid overrides, nothing started" >&2; exit 2
-fi
+[[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || refuse "gpus=$GPUS is not a positive whole number"
 
 # Ranks per node: GPUS_PER_NODE, else the GPUs Slurm gave each node, else gpus spread over the nodes.
 ALLOCATED="${SLURM_GPUS_ON_NODE:-0}"
@@ -122,6 +120,15 @@ NODES=$(( GPUS / PER_NODE ))
 if (( NODES > SLURM_NNODES )); then
     refuse "gpus=$GPUS needs $NODES nodes of $PER_NODE GPUs ($SOURCE) and the job has $SLURM_NNODES"
 fi
+# The overrides, and on CPU nodes the point's memory against this node's for PER_NODE ranks
+# (experiments/train.py): its plan goes to the log, its one-line refusal into job_status.json too.
+if ! { CHECK="$(ZERO_REPRO_CHECK_ONLY=1 LOCAL_WORLD_SIZE="$PER_NODE" "$PYTHON" "$REPO/experiments/train.py" "$@" 2>&1 >&3)"; } 3>&1; then
+    echo "$CHECK" >&2
+    REFUSAL="$(printf '%s\n' "$CHECK" | sed -n 's/^error: //p' | tail -n 1)"
+    write_status invalid 2 "${REFUSAL:-the overrides were rejected (see the log)}"
+    echo "job $JOB: invalid overrides, nothing started" >&2; exit 2
+fi
+[ -z "$CHECK" ] || echo "$CHECK" >&2
 
 # The nodes this job runs on and their addresses as Slurm has them (NodeAddr; the name where it
 # has none): node names may resolve nowhere but in Slurm.

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from experiments.models.gpt_shape import parameter_count
-from experiments.points import Point, host_memory_shortfall, local_devices, predicted_memory_bytes
+from experiments.points import Point, host_available, host_memory_shortfall, local_devices, predicted_memory_bytes
 from experiments.sweeps.summary import format_bytes
 
 
@@ -48,7 +48,7 @@ def _runnable_here(point: Point) -> str:
     numbers where it is not."""
     if point.gpus > local_devices(point.cluster)[0]:
         return "no (devices)"
-    short = host_memory_shortfall(point, ranks_here=point.gpus)
+    short = host_memory_shortfall(point, point.gpus, host_available())
     if short is not None:
         needed, per_rank = short
         return f"no (host: {format_bytes(needed)} > {format_bytes(per_rank)} per rank)"

@@ -37,10 +37,7 @@ def run_local_sweep(points: list[Point], results_dir: Path, launcher: str, force
             if not ignore_host_memory:
                 check_host_memory(point, point.gpus)  # every rank of a local point runs on this host
         except ConfigError as e:
-            record = build_record(point, resolve_precision(point.train["precision"]), launcher, "invalid", None, str(e),
-                                  records.now())
-            records.write_record(results_dir / f"{point.point_id}.json", record)
-            tqdm.write(f"invalid {point.point_id}: {e}", file=sys.stderr)
+            record_invalid(point, launcher, results_dir, e)
             continue
         record = run_point(point, launcher, results_dir)
         resumed = (record.get("resume") or {}).get("resumed_from")
@@ -51,6 +48,14 @@ def run_local_sweep(points: list[Point], results_dir: Path, launcher: str, force
     write_summary_csv(every, results_dir / "summary.csv")
     print(f"records and summary.csv ({len(every)} points: every record in the folder) in {results_dir}")
     return 0
+
+
+def record_invalid(point: Point, launcher: str, results_dir: Path, error: ConfigError) -> None:
+    """Record a point refused before it started (`invalid`, with the refusal's line) and say so."""
+    record = build_record(point, resolve_precision(point.train["precision"]), launcher, "invalid", None, str(error),
+                          records.now())
+    records.write_record(results_dir / f"{point.point_id}.json", record)
+    tqdm.write(f"invalid {point.point_id}: {error}", file=sys.stderr)
 
 
 def run_point(point: Point, launcher: str, results_dir: Path) -> dict:

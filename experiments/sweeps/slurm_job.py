@@ -11,11 +11,13 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from experiments.points import Point, expand
+from experiments.points import ConfigError, Point, check_host_memory, expand
 from experiments.run.outcome import RanksLost
 from experiments.run.real import run_as_rank
 from experiments.slurm_nodes import query_addresses
-from experiments.sweeps.local import already_done
+from experiments.sweeps.local import already_done, record_invalid
+
+LAUNCHER = "slurm (submitit)"  # the records' launcher
 
 
 def submitit_job():
@@ -29,10 +31,10 @@ def submitit_job():
 def run_in_slurm_job(cfg: DictConfig, job, results_dir: Path) -> None:
     """Inside a job of the submitit launcher, one task per GPU: every task is one rank of each
     of the job's points in turn; rank 0 writes the records."""
-    run_job_points(expand(cfg), job, results_dir, cfg.force)
+    run_job_points(expand(cfg), job, results_dir, cfg.force, cfg.ignore_host_memory)
 
 
-def run_job_points(points: list[Point], job, results_dir: Path, force: bool) -> None:
+def run_job_points(points: list[Point], job, results_dir: Path, force: bool, ignore_host_memory: bool = False) -> None:
     """`points` in turn on the job's tasks (`job`: submitit's JobEnvironment). One TCPStore for
     the whole job, served by rank 0 at the job's port, carries every point's rendezvous and the
     ranks' agreement on its outcome (experiments/run/outcome.py): after a failed point every task
@@ -48,11 +50,30 @@ def run_job_points(points: list[Point], job, results_dir: Path, force: bool) -> 
     store = dist.TCPStore(query_addresses([head])[head], 20000 + int(job.raw_job_id) % 20000, job.num_tasks,
                           is_master=job.global_rank == 0, timeout=timeout)
     for point in todo:
+        if not ignore_host_memory and _host_refuses(point, job, store, results_dir):
+            continue
         try:
-            run_as_rank(point, results_dir.parent, "slurm (submitit)", store)
+            run_as_rank(point, results_dir.parent, LAUNCHER, store)
         except (RanksLost, dist.DistError):
             raise  # a silent rank, or the job's store gone with rank 0: no later point can run
         except Exception as e:  # every rank raises alike; rank 0 has recorded why
             print(f"point {point.point_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
             del e
             gc.collect()  # the failed point's engine, held in reference cycles, would crowd the next one
+
+
+
+def _host_refuses(point: Point, job, store: dist.Store, results_dir: Path) -> bool:
+    """Whether a node cannot hold the point's ranks on CPU (points.check_host_memory for the job's
+    tasks per node; GPU ranks are not checked). Rank 0 decides for every task, through the job's
+    store: tasks that disagreed would wait for each other in the point's rendezvous. It records
+    the point invalid with the refusal's line, as a local sweep does."""
+    key = f"{point.point_id}/host_memory"
+    if job.global_rank == 0:
+        try:
+            check_host_memory(point, job.num_tasks // len(job.hostnames))
+            store.set(key, "")
+        except ConfigError as e:
+            record_invalid(point, LAUNCHER, results_dir, e)
+            store.set(key, str(e))
+    return bool(store.get(key))
