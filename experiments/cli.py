@@ -91,15 +91,16 @@ def check_output_folder(key: str, value: str) -> None:
             return
 
 
-def exit_on_interrupt(what: str) -> Callable:
-    """Ctrl-C as one line and exit code 130: what was recorded stays, and how to go on."""
+def exit_on_interrupt(what: str | Callable[..., str]) -> Callable:
+    """Ctrl-C as one line and exit code 130: what was recorded stays, and how to go on (`what`, or
+    what(*args) of the wrapped call where that depends on its arguments)."""
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
             except KeyboardInterrupt:
-                print(f"\ninterrupted: {what}", file=sys.stderr)
+                print(f"\ninterrupted: {what(*args, **kwargs) if callable(what) else what}", file=sys.stderr)
                 # Leave now: Python's shutdown would first collect every object the run built
                 # (seconds after a simulation, long enough for a second Ctrl-C to break an atexit
                 # callback with a traceback); frozen objects are not collected

@@ -58,9 +58,20 @@ def _absolute(path: str) -> Path:
     return start / path
 
 
+def interrupted(cfg: DictConfig) -> str:
+    """What a Ctrl-C leaves behind in each mode, and what the same command does next."""
+    if cfg.simulate and cfg.simulate_largest:
+        return (f"the search's finished simulations are kept in {cfg.experiment.name}/simulated/search/ (the running "
+                "ones say they were interrupted); the same command again starts each row's search from them")
+    if cfg.simulate:
+        return (f"the finished simulations' records are kept in {cfg.experiment.name}/simulated/ (the running ones say "
+                "they were interrupted); the same command again simulates the points without an ok or oom record")
+    return ("the records written so far are kept (the point that was running says it was interrupted); "
+            "the same command again goes on, skipping points with an ok record")
+
+
 @hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
-@exit_on_interrupt("the records written so far are kept (the point that was running says it was interrupted); "
-                   "the same command again goes on, skipping points with an ok record")
+@exit_on_interrupt(interrupted)
 def main(cfg: DictConfig) -> None:
     from experiments.sweeps.slurm_job import run_in_slurm_job, submitit_job
     try:

@@ -22,15 +22,17 @@ CUDA reserve fits the device:
    the search goes as far as the tensors' own line allows, then halves the bracket. At most
    `MAX_SIMULATIONS` per row.
 
-The largest fitting candidate's record goes to <experiment>/simulated/ with a `largest_search`
-entry (every simulated depth, the analytic bracket, the paper's number); the other candidates'
-records to <experiment>/simulated/search/. reports: the `largest` table, Table 2's simulated
-columns.
+Each simulation's record is written to <experiment>/simulated/search/ as it ends; Ctrl-C kills
+the running ones and records them as interrupted. A row's search starts from the records of its
+family already there (or under simulated/, a finished search's), so the same command again goes
+on where it stopped. When the search ends, the largest fitting candidate's record moves to
+<experiment>/simulated/ with a `largest_search` entry (every simulated depth, the analytic
+bracket, the paper's number); the other candidates' stay in search/. reports: the `largest`
+table, Table 2's simulated columns.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import time
 from pathlib import Path
@@ -42,9 +44,10 @@ from experiments.launch import ChildPool
 from experiments.models.gpt_shape import parameter_count
 from experiments.points import Point, check_simulate_rank, predicted_memory_bytes, simulated_precision
 from experiments.reports.tables import optimizer_step_of
-from experiments.run.fake import is_gpu_cluster, simulate_point
-from experiments.run.record import simulated_path, simulated_record, verdict
+from experiments.run.record import simulated_path, verdict
 from experiments.sweeps.progress import Progress
+from experiments.sweeps.simulated import (INTERRUPTED, finished_record, stands_for, stop_running,
+                                          submit_simulation)
 from experiments.sweeps.summary import largest_markdown
 from zero_impl import zero_r_config
 
@@ -155,6 +158,12 @@ class Search:
         self.stalled = False   # the next depth was simulated already (a peak not monotonic in depth)
         self.pending: int | None = None
 
+    def resume(self, found: dict[int, dict]) -> None:
+        """Start from the records of this row's family simulated before (depth -> record)."""
+        for layers, record in found.items():
+            self.peaks[layers], self.fits[layers] = held_bytes(record, self.limit)
+            self.records[layers] = record
+
     def _analytic(self, layers: int) -> float:
         return predicted_memory_bytes(family_point(self.row, layers), self.precision)["total"]
 
@@ -248,51 +257,96 @@ def expected_simulations(searches: list[Search]) -> int:
                for s in searches)
 
 
+def search_path(results_dir: Path, point: Point, rank: int) -> Path:
+    """Where a candidate's record is written as its simulation ends."""
+    path = simulated_path(results_dir, point, rank)
+    return path.parent / "search" / path.name
+
+
+def found_records(results_dir: Path, searches: list[Search], rank: int) -> dict[Search, dict[int, dict]]:
+    """For each search, the records of its row's family that stand for a simulation now (under
+    simulated/search/, or simulated/ where a search ended), by depth; interrupted and failed ones
+    do not (simulated.stands_for), and are simulated again."""
+    folder = results_dir / "simulated"
+    saved = [(path.name, record) for path in sorted(folder.glob("search/*.json")) + sorted(folder.glob("*.json"))
+             for record in [records.read_record(path)] if record]
+    found: dict[Search, dict[int, dict]] = {s: {} for s in searches}
+    for s in searches:
+        for name, record in saved:
+            layers = record.get("config", {}).get("model", {}).get("layers")
+            point = family_point(s.row, layers) if isinstance(layers, int) else None
+            if point is not None and simulated_path(results_dir, point, rank).name == name \
+                    and stands_for(record, point, rank):
+                found[s][layers] = record
+    return found
+
+
 def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
                 max_simulations: int = MAX_SIMULATIONS) -> list[dict]:
-    """Search every row (rows_to_search), up to `workers` simulations at once; write the records
-    and return each row's result."""
+    """Search every row (rows_to_search), up to `workers` simulations at once, each row from the
+    records already there (found_records); write each record as its simulation ends (Ctrl-C:
+    the running ones as interrupted), then move each row's largest fitting one to simulated/ and
+    return each row's result."""
     pool = ChildPool(workers, what="simulation")
     searches = [Search(row, max_simulations) for row in rows_to_search(points)]
-    started, progress = {}, Progress(len(searches) * TYPICAL_SIMULATIONS, "simulations", estimated=True)
-    while any(not s.done for s in searches) or pool.running:
-        for s in searches:
-            if not pool.free:
-                break
-            layers = s.next_layers()
-            if layers is None:
-                continue
-            point = family_point(s.row, layers)
-            s.pending = layers
-            started[point.point_id] = (s, point, records.now())
-            simulate = functools.partial(simulate_point, foreach=True if is_gpu_cluster(point) else None)
-            pool.submit(point.point_id, point.train["timeout_s"], simulate, point.as_dict(), s.precision, rank)
-        for point_id, ok, payload in pool.finished():
-            s, point, began = started[point_id]
-            s.pending = None
-            if not ok:
-                s.failed = payload
+    for s, found in found_records(results_dir, searches, rank).items():
+        s.resume(found)
+    reused = sum(len(s.peaks) for s in searches)
+    if reused:
+        print(f"reusing {reused} simulated depths of an earlier search ({results_dir / 'simulated' / 'search'})",
+              file=sys.stderr)
+    started: dict[str, tuple[Search, Point, str]] = {}
+    progress = Progress(len(searches) * TYPICAL_SIMULATIONS, "simulations", estimated=True)
+
+    def finish(point_id: str, result: dict | None, error: str | None) -> dict:
+        s, point, began = started[point_id]
+        record = finished_record(point, s.precision, result, error, began, rank)
+        records.write_record(search_path(results_dir, point, rank), record)
+        return record
+
+    try:
+        while any(not s.done for s in searches) or pool.running:
+            for s in searches:
+                if not pool.free:
+                    break
+                layers = s.next_layers()
+                if layers is None:
+                    continue
+                point = family_point(s.row, layers)
+                s.pending = layers
+                started[point.point_id] = (s, point, records.now())
+                submit_simulation(pool, point, s.precision, rank)
+            for point_id, ok, payload in pool.finished():
+                s, point, _ = started[point_id]
+                s.pending = None
+                record = finish(point_id, payload if ok else None, None if ok else payload)
+                if not ok:
+                    s.failed = payload
+                    progress.total = expected_simulations(searches)
+                    print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''} {progress.done()}",
+                          file=sys.stderr)
+                    continue
+                s.peaks[point.shape.layers], s.fits[point.shape.layers] = held_bytes(record, s.limit)
+                s.records[point.shape.layers] = record
                 progress.total = expected_simulations(searches)
-                print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''} {progress.done()}",
-                      file=sys.stderr)
-                continue
-            record = simulated_record(point, s.precision, payload, None, began, rank)
-            s.peaks[point.shape.layers], s.fits[point.shape.layers] = held_bytes(record, s.limit)
-            s.records[point.shape.layers] = record
-            progress.total = expected_simulations(searches)
-            print(f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
-                  f"{record['params'] / 1e9:.2f}B, peak {record['memory']['peak_bytes'] / 1e9:.2f} GB "
-                  f"({payload.get('wall_s', 0):.0f} s) {progress.done()}", file=sys.stderr, flush=True)
+                print(f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
+                      f"{record['params'] / 1e9:.2f}B, peak {record['memory']['peak_bytes'] / 1e9:.2f} GB "
+                      f"({payload.get('wall_s', 0):.0f} s) {progress.done()}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # the finished simulations' records are written; the running ones say so
+        stop_running(pool, lambda point_id: finish(point_id, None, INTERRUPTED))
+        raise
     results = []
     for s in searches:
         result = s.result()
         for layers, record in s.records.items():
-            path = simulated_path(results_dir, family_point(s.row, layers), rank)
-            if layers == result["simulated_max_layers"]:
+            point = family_point(s.row, layers)
+            top, searched = simulated_path(results_dir, point, rank), search_path(results_dir, point, rank)
+            kept, other = (top, searched) if layers == result["simulated_max_layers"] else (searched, top)
+            record.pop("largest_search", None)  # an earlier search's largest, no longer
+            if kept is top:
                 record["largest_search"] = result
-                records.write_record(path, record)
-            else:
-                records.write_record(path.parent / "search" / path.name, record)
+            records.write_record(kept, record)
+            other.unlink(missing_ok=True)
         results.append(result)
     return results
 

@@ -29,9 +29,7 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
 
     def write(point_id: str, result: dict | None, error: str | None) -> dict:
         point, precision, began = started[point_id]
-        record = simulated_record(point, precision, result, error, began, rank)
-        if error and "timed out" in error:
-            record["status"] = "timeout"
+        record = finished_record(point, precision, result, error, began, rank)
         records.write_record(simulated_path(results_dir, point, rank), record)
         return record
 
@@ -40,19 +38,42 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
             while pending and pool.free:
                 point = pending.pop(0)
                 started[point.point_id] = (point, simulated_precision(point), records.now())
-                simulate = functools.partial(simulate_point, foreach=True if is_gpu_cluster(point) else None)
-                pool.submit(point.point_id, point.train["timeout_s"], _deaf_to_ctrl_c, simulate, point.as_dict(),
-                            started[point.point_id][1], rank)
+                submit_simulation(pool, point, started[point.point_id][1], rank)
             for point_id, ok, payload in pool.finished():
                 out[point_id] = write(point_id, payload if ok else None, None if ok else payload)
                 if on_done:
                     on_done(started[point_id][0], out[point_id])
     except KeyboardInterrupt:  # Ctrl-C: the running points' records say so (a re-run simulates them), then stop
-        for job in pool.running:
-            job.proc.kill()  # at once: a simulation does not stop for a signal it ignores
-            write(job.key, None, "interrupted by the user (Ctrl-C)")
+        stop_running(pool, lambda point_id: write(point_id, None, INTERRUPTED))
         raise
     return [out[p.point_id] for p in points]
+
+
+INTERRUPTED = "interrupted by the user (Ctrl-C)"
+
+
+def finished_record(point: Point, precision: str, result: dict | None, error: str | None, began: str,
+                    rank: int) -> dict:
+    """A simulation's record as it ends: simulated_record, status `timeout` where the child ran
+    past the point's train.timeout_s."""
+    record = simulated_record(point, precision, result, error, began, rank)
+    if error and "timed out" in error:
+        record["status"] = "timeout"
+    return record
+
+
+def submit_simulation(pool: ChildPool, point: Point, precision: str, rank: int) -> None:
+    """Start `point`'s simulation in a child of `pool` (keyed by its point id), deaf to Ctrl-C."""
+    simulate = functools.partial(simulate_point, foreach=True if is_gpu_cluster(point) else None)
+    pool.submit(point.point_id, point.train["timeout_s"], _deaf_to_ctrl_c, simulate, point.as_dict(), precision, rank)
+
+
+def stop_running(pool: ChildPool, record_interrupted: Callable[[str], object]) -> None:
+    """Ctrl-C: kill the running simulations at once (they ignore the signal) and record each one
+    (by its key) as interrupted."""
+    for job in pool.running:
+        job.proc.kill()
+        record_interrupted(job.key)
 
 
 def _deaf_to_ctrl_c(fn: Callable[..., dict], *args) -> dict:
@@ -70,13 +91,16 @@ def done_record(results_dir: Path, point: Point, rank: int) -> dict | None:
     and one with the caching allocator's replay (memory.reserved_peak_bytes) under this process's
     PYTORCH_CUDA_ALLOC_CONF."""
     existing = records.read_record(simulated_path(results_dir, point, rank))
-    replayed = (existing or {}).get("memory", {}).get("allocator") or {}
-    if existing and existing.get("config", {}).get("cluster") == point.cluster \
-            and existing.get("precision") == simulated_precision(point) \
-            and replayed.get("conf") == alloc_conf_from_env().as_conf() \
-            and existing.get("status") in ("ok", "oom") and existing.get("simulated_rank") == rank:
-        return existing
-    return None
+    return existing if existing and stands_for(existing, point, rank) else None
+
+
+def stands_for(record: dict, point: Point, rank: int) -> bool:
+    """Whether a simulated record of `point`'s id stands for its simulation now (done_record)."""
+    replayed = record.get("memory", {}).get("allocator") or {}
+    return (record.get("config", {}).get("cluster") == point.cluster
+            and record.get("precision") == simulated_precision(point)
+            and replayed.get("conf") == alloc_conf_from_env().as_conf()
+            and record.get("status") in ("ok", "oom") and record.get("simulated_rank") == rank)
 
 
 def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int = 0,
