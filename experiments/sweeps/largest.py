@@ -19,7 +19,8 @@ CUDA reserve fits the device:
    are both simulated: tensor memory grows almost linearly with depth, so that takes 2-4
    simulations. Where the records replayed the caching allocator, the reserved peak is not
    linear (it flattens just under the limit while retries free the cache): until a depth fails
-   the search goes as far as the tensors' own line allows, then halves the bracket. At most
+   the search goes as far as the tensors' own line allows, then halves the bracket, which
+   takes more (the committed searches: 4.5 a row for Table 2, 7.8 for Figure 6). At most
    `MAX_SIMULATIONS` per row.
 
 Each simulation's record is written to <experiment>/simulated/search/ as it ends; Ctrl-C kills
@@ -33,6 +34,7 @@ table, Table 2's simulated columns.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -247,14 +249,28 @@ class Search:
         }
 
 
-TYPICAL_SIMULATIONS = 3  # a row's search usually ends after 2-4 (module docstring)
+def remaining_simulations(search: Search) -> tuple[int, bool]:
+    """The simulations an open row's search still runs (the one running included), and whether
+    that is only a lower bound. With a fitting depth lo and a failing one hi the search narrows
+    (lo, hi) to one layer, about halving it each time (the line to the limit, or the halving
+    where the allocator was replayed): ceil(log2(hi - lo)) more. With no failing depth yet the
+    range is open: at least one more (a failing depth), two where nothing was simulated. With a
+    failing depth and none fitting, the range below hi is bisected: ceil(log2(hi)). At most the
+    row's max_simulations."""
+    if search.done:
+        return 0, False
+    lo, hi = search.bracket
+    cap = search.max_simulations - len(search.peaks)
+    if hi is None:
+        return min(1 if search.peaks else 2, cap), True
+    return min(max(1, math.ceil(math.log2(hi - lo))), cap), False
 
 
-def expected_simulations(searches: list[Search]) -> int:
-    """The simulations the search will have run, as far as can be told now: a finished row's
-    own, an open row's so far and one more, at least TYPICAL_SIMULATIONS."""
-    return sum(len(s.peaks) + bool(s.failed) if s.done else max(len(s.peaks) + 1, TYPICAL_SIMULATIONS)
-               for s in searches)
+def expected_simulations(searches: list[Search]) -> tuple[int, bool]:
+    """The simulations the open rows still run (remaining_simulations summed), and whether that
+    is a lower bound (one row's is)."""
+    left = [remaining_simulations(s) for s in searches]
+    return sum(n for n, _ in left), any(bound for _, bound in left)
 
 
 def search_path(results_dir: Path, point: Point, rank: int) -> Path:
@@ -296,7 +312,16 @@ def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, worker
         print(f"reusing {reused} simulated depths of an earlier search ({results_dir / 'simulated' / 'search'})",
               file=sys.stderr)
     started: dict[str, tuple[Search, Point, str]] = {}
-    progress = Progress(len(searches) * TYPICAL_SIMULATIONS, "simulations", estimated=True)
+    progress = Progress(0, "simulations")
+
+    def revise() -> None:
+        """The total from each open row's range; a row simulates one depth at a time, so no more
+        run at once than there are open rows."""
+        left, lower_bound = expected_simulations(searches)
+        progress.total, progress.qualifier = progress.finished + left, "at least" if lower_bound else "about"
+        progress.workers = min(pool.workers, sum(not s.done for s in searches))
+
+    revise()
 
     def finish(point_id: str, result: dict | None, error: str | None) -> dict:
         s, point, began = started[point_id]
@@ -316,22 +341,23 @@ def run_largest(points: list[Point], results_dir: Path, *, rank: int = 0, worker
                 s.pending = layers
                 started[point.point_id] = (s, point, records.now())
                 submit_simulation(pool, point, s.precision, rank)
+                progress.start(point.point_id)
             for point_id, ok, payload in pool.finished():
                 s, point, _ = started[point_id]
                 s.pending = None
                 record = finish(point_id, payload if ok else None, None if ok else payload)
-                if not ok:
+                if ok:
+                    s.peaks[point.shape.layers], s.fits[point.shape.layers] = held_bytes(record, s.limit)
+                    s.records[point.shape.layers] = record
+                else:
                     s.failed = payload
-                    progress.total = expected_simulations(searches)
-                    print(f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''} {progress.done()}",
-                          file=sys.stderr)
-                    continue
-                s.peaks[point.shape.layers], s.fits[point.shape.layers] = held_bytes(record, s.limit)
-                s.records[point.shape.layers] = record
-                progress.total = expected_simulations(searches)
-                print(f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
-                      f"{record['params'] / 1e9:.2f}B, peak {record['memory']['peak_bytes'] / 1e9:.2f} GB "
-                      f"({payload.get('wall_s', 0):.0f} s) {progress.done()}", file=sys.stderr, flush=True)
+                progress.done(point_id)
+                revise()
+                line = (f"{record['status']:7s} {point.point_id}: {point.shape.layers} layers, "
+                        f"{record['params'] / 1e9:.2f}B, peak {record['memory']['peak_bytes'] / 1e9:.2f} GB "
+                        f"({payload.get('wall_s', 0):.0f} s)") if ok else \
+                    f"fail    {point.point_id}: {payload.splitlines()[-1] if payload else ''}"
+                print(f"{line} {progress.status()}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:  # the finished simulations' records are written; the running ones say so
         stop_running(pool, lambda point_id: finish(point_id, None, INTERRUPTED))
         raise

@@ -4,6 +4,7 @@ rest will take."""
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 
 
 def duration(seconds: float) -> str:
@@ -16,26 +17,38 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """`total` items; each call of `done()` counts one finished and says where the work stands.
-    `estimated`: the total is a guess the caller revises (set `total`), printed "of about N"."""
+    """`total` items, up to `workers` of them running at once; `start(key)` when an item starts,
+    `done(key)` when it ends. The caller may revise `total` and `workers` (items that can run at
+    once) as it learns, and set `qualifier`: "about" where the total is an estimate, "at least"
+    where it is a lower bound (the time left is then one too)."""
 
-    def __init__(self, total: int, what: str = "", estimated: bool = False) -> None:
-        self.total, self.what, self.estimated, self.finished = total, what, estimated, 0
-        self.began = time.perf_counter()
+    def __init__(self, total: int, what: str = "", workers: int = 1) -> None:
+        self.total, self.what, self.workers, self.qualifier = total, what, workers, ""
+        self.finished = 0
+        self._began: dict[Hashable, float] = {}
+        self._durations: list[float] = []
+
+    def start(self, key: Hashable) -> None:
+        self._began[key] = time.perf_counter()
+
+    def done(self, key: Hashable) -> str:
+        """Count `key` finished: "[3 of 10 <what>, about 2 min left]"."""
+        self.finished += 1
+        self._durations.append(time.perf_counter() - self._began.pop(key))
+        return self.status()
 
     def left_s(self) -> float | None:
-        """Seconds left at the pace so far (None before the first item ends)."""
-        if not self.finished:
+        """Seconds left: the finished items' mean duration for each item left, `workers` at a time
+        (not the time so far per finished item, which counts the first of W items that ran together
+        as W items' time). None before the first item ends."""
+        left = self.total - self.finished
+        if not self._durations or left <= 0:
             return None
-        return (time.perf_counter() - self.began) / self.finished * (self.total - self.finished)
-
-    def done(self) -> str:
-        """Count one more finished item: "[3 of 10 <what>, about 2 min left]"."""
-        self.finished += 1
-        return self.status()
+        return sum(self._durations) / len(self._durations) * left / max(1, min(self.workers, left))
 
     def status(self) -> str:
         left = self.left_s()
         what = f" {self.what}" if self.what else ""
-        tail = "" if left is None or self.finished >= self.total else f", about {duration(left)} left"
-        return f"[{self.finished} of {'about ' if self.estimated else ''}{self.total}{what}{tail}]"
+        of = f"{self.qualifier} {self.total}" if self.qualifier else str(self.total)
+        tail = "" if left is None else f", {self.qualifier if self.qualifier == 'at least' else 'about'} {duration(left)} left"
+        return f"[{self.finished} of {of}{what}{tail}]"

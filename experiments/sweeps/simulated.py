@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from experiments import records
-from experiments.launch import ChildPool
+from experiments.launch import ChildPool, default_workers
 from experiments.points import Point, check_simulate_rank, simulated_precision
 from experiments.run.fake import is_gpu_cluster, simulate_point
 from experiments.run.record import simulated_path, simulated_record
@@ -21,7 +21,8 @@ from experiments.sweeps.summary import (simulated_folder_summary_rows, simulated
 
 
 def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, workers: int | None = None,
-                  on_done=None) -> list[dict]:
+                  on_start: Callable[[Point], object] | None = None,
+                  on_done: Callable[[Point, dict], object] | None = None) -> list[dict]:
     """Simulate `points`, each in a process of its own (forked), `workers` at a time (default:
     the CPU count); write each record to results_dir/simulated/<point_id>.json as it ends."""
     pool = ChildPool(workers, what="simulation")
@@ -39,6 +40,8 @@ def run_simulated(points: list[Point], results_dir: Path, *, rank: int = 0, work
                 point = pending.pop(0)
                 started[point.point_id] = (point, simulated_precision(point), records.now())
                 submit_simulation(pool, point, started[point.point_id][1], rank)
+                if on_start:
+                    on_start(point)
             for point_id, ok, payload in pool.finished():
                 out[point_id] = write(point_id, payload if ok else None, None if ok else payload)
                 if on_done:
@@ -114,14 +117,16 @@ def run_sweep_simulated(points: list[Point], results_dir: Path, *, rank: int = 0
             print(f"skip    {point.point_id}: simulated record exists (force=true re-runs it)", file=sys.stderr)
         else:
             todo.append(point)
-    started, progress = time.perf_counter(), Progress(len(todo))
+    workers = workers or default_workers()
+    started, progress = time.perf_counter(), Progress(len(todo), workers=workers)
 
     def done(point: Point, record: dict) -> None:
         wall = (record.get("simulation") or {}).get("wall_s")
-        print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else "") + f" {progress.done()}",
-              file=sys.stderr, flush=True)
+        print(f"{record['status']:7s} {point.point_id}" + (f" ({wall:.0f} s)" if wall else "")
+              + f" {progress.done(point.point_id)}", file=sys.stderr, flush=True)
 
-    run_simulated(todo, results_dir, rank=rank, workers=workers or None, on_done=done)
+    run_simulated(todo, results_dir, rank=rank, workers=workers, on_start=lambda point: progress.start(point.point_id),
+                  on_done=done)
     print(simulated_summary_markdown(simulated_summary_rows(points, results_dir, rank)))
     every = simulated_folder_summary_rows(points, results_dir, rank)
     if every:

@@ -1,5 +1,6 @@
-"""Ctrl-C in a simulated sweep: one line and exit code 130 at once, no traceback from the
-simulations' children or from Python's exit, and the running points recorded as interrupted."""
+"""Ctrl-C in a simulated sweep and in the largest-model search: one line and exit code 130 at
+once, no traceback from the simulations' children or from Python's exit, the running points
+recorded as interrupted, and the search's finished simulations kept for the same command again."""
 from __future__ import annotations
 
 import os
