@@ -136,6 +136,7 @@ mapfile -t NODE_ADDRS < <("$PYTHON" "$REPO/experiments/slurm_nodes.py" "$SLURM_J
 JOB_NODES="${NODE_ADDRS[*]%% *}"
 export ZERO_REPRO_NODE_ADDRS="$(printf '%s\n' "${NODE_ADDRS[@]}" | tr ' ' '=' | tr '\n' ' ')"  # for slurm/node.sh
 read -r HEAD HEAD_ADDR <<< "${NODE_ADDRS[0]}"
+export ZERO_REPRO_RDZV_HEAD="$HEAD"  # the node that serves the rendezvous' store (slurm/node.sh)
 
 # Every node must see the records' folder (rank 0 writes the records, every rank its checkpoint
 # shards): this node writes a marker there, each node must read it. A fresh name per run, so that

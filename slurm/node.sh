@@ -7,4 +7,15 @@
 for pair in ${ZERO_REPRO_NODE_ADDRS:-}; do
     if [ "${pair%%=*}" = "${SLURMD_NODENAME:-}" ]; then export PET_LOCAL_ADDR="${pair#*=}"; fi
 done
+# torchrun's --rdzv-conf. is_host: the rendezvous' store is served by the first node
+# ($ZERO_REPRO_RDZV_HEAD) and by no other. Left to torch, each node guesses by resolving its own
+# hostname against the endpoint, which fails where the hostname maps to 127.0.1.1 (Ubuntu's
+# default), the NodeAddr is another NIC, or the name resolves nowhere; told, a head that cannot
+# bind the port fails at once instead of joining as a client of nobody. read_timeout: a store
+# operation may wait for nodes still starting (600 s, not 60). join_timeout: 25 nodes importing
+# torch from a shared file system may take longer than torch's 600 s to all arrive.
+is_host=0
+if [ "${SLURMD_NODENAME:-}" = "${ZERO_REPRO_RDZV_HEAD:-}" ]; then is_host=1; fi
+export PET_RDZV_CONF="is_host=$is_host,read_timeout=600"
+if (( ${SLURM_STEP_NUM_NODES:-1} > 1 )); then PET_RDZV_CONF+=",join_timeout=900"; fi
 exec "$@"

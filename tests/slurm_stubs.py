@@ -22,7 +22,7 @@ def run_launch(tmp_path: Path, *overrides: str, nodes: tuple[str, ...] = ("node1
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {"srun": f'if [[ "$*" == *.node_check.* ]]; then printf "%s" {shlex.quote(unseen)}; exit 0; fi\n'
-                     f'printf "%s\\n" "$@" > "{tmp_path}/srun_args"',
+                     f'printf "%s\\n" "$@" > "{tmp_path}/srun_args"; env > "{tmp_path}/srun_env"',
              "scontrol": f'case "$1 $2" in\n"show hostnames") printf "%s\\n" {" ".join(nodes)} ;;\n'
                          f'"show node") printf "%s\\n" {shlex.quote(show_node)} ;;\nesac',
              "python": f'if [ "${{ZERO_REPRO_CHECK_ONLY:-}}" = 1 ]; then exit 0; fi; exec "{sys.executable}" "$@"'}
@@ -36,6 +36,12 @@ def run_launch(tmp_path: Path, *overrides: str, nodes: tuple[str, ...] = ("node1
                                "PYTHON": str(bin_dir / "python"), "ZERO_REPRO_DIR": str(REPO),
                                "ZERO_REPRO_SLURM_RESULTS": str(tmp_path / "results")},
                           capture_output=True, text=True, timeout=60)
+
+
+def srun_environment(tmp_path: Path) -> dict[str, str]:
+    """The environment launch.sh gave the srun that starts the ranks."""
+    lines = (tmp_path / "srun_env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
 
 
 def srun_arguments(tmp_path: Path) -> list[str] | None:

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from experiments.slurm_nodes import node_addresses
-from slurm_stubs import REPO, run_launch, srun_arguments
+from slurm_stubs import REPO, run_launch, srun_arguments, srun_environment
 
 # `scontrol show node -o node1,node2` on the test tier's cluster (Slurm 22.05), shortened
 ONE_LINE = (
@@ -47,6 +47,7 @@ def test_launch_rendezvouses_at_the_first_nodes_address_and_says_so(tmp_path):
     port = 20000 + 4242
     assert f"2 node(s) x 1 ranks, rendezvous 10.1.0.7:{port} (node1's NodeAddr)" in done.stdout
     assert f"--rdzv-endpoint=10.1.0.7:{port}" in srun_arguments(tmp_path)
+    assert srun_environment(tmp_path)["ZERO_REPRO_RDZV_HEAD"] == "node1"  # slurm/node.sh's is_host
 
 
 def test_launch_falls_back_to_the_name_only_where_slurm_has_no_address(tmp_path):
@@ -68,3 +69,29 @@ def test_each_nodes_torchrun_is_told_its_own_address(tmp_path):
         done = subprocess.run([str(REPO / "slurm" / "node.sh"), "bash", "-c", 'echo "${PET_LOCAL_ADDR:-}"'],
                               env=env, capture_output=True, text=True, timeout=30)
         assert done.stdout.strip() == expected, node
+
+
+def node_sh_env(node: str, **env: str) -> dict[str, str]:
+    """What slurm/node.sh exports to torchrun on `node` of a job whose first node is node1."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM", "ZERO_REPRO_"))}
+    done = subprocess.run([str(REPO / "slurm" / "node.sh"), "env"], capture_output=True, text=True, timeout=30,
+                          env={**base, "ZERO_REPRO_RDZV_HEAD": "node1", "SLURMD_NODENAME": node, **env})
+    assert done.returncode == 0, done.stderr
+    return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+
+
+def test_only_the_first_node_hosts_the_rendezvous_store():
+    """is_host is told, not guessed: torch's guess resolves the host's name against the endpoint,
+    wrong where the name maps to 127.0.1.1, the NodeAddr is another NIC, or nothing resolves."""
+    assert node_sh_env("node1")["PET_RDZV_CONF"] == "is_host=1,read_timeout=600"
+    assert node_sh_env("node2")["PET_RDZV_CONF"] == "is_host=0,read_timeout=600"
+    assert node_sh_env("node2", SLURM_STEP_NUM_NODES="2")["PET_RDZV_CONF"] == \
+        "is_host=0,read_timeout=600,join_timeout=900"
+
+
+def test_torchrun_reads_the_rendezvous_conf_from_pet_rdzv_conf(monkeypatch):
+    """torch's own parser takes --rdzv-conf from PET_RDZV_CONF, and its c10d backend the keys."""
+    from torch.distributed.run import get_args_parser
+    monkeypatch.setenv("PET_RDZV_CONF", "is_host=0,read_timeout=600,join_timeout=900")
+    args = get_args_parser().parse_args(["train.py"])
+    assert args.rdzv_conf == "is_host=0,read_timeout=600,join_timeout=900"
