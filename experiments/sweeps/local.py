@@ -72,9 +72,8 @@ def run_point(point: Point, launcher: str, results_dir: Path) -> dict:
         results = spawn(train_rank, point.gpus, with_checkpoint_dir(point, results_dir), precision, start_method=launcher,
                         timeout=point.train["timeout_s"])
         record = build_record(point, precision, launcher, "ok", results, None, started)
-    except KeyboardInterrupt:  # Ctrl-C: this point's record says so (a re-run runs it again), then stop
-        records.write_record(path, build_record(point, precision, launcher, "fail", None,
-                                                "interrupted by the user (Ctrl-C)", started))
+    except KeyboardInterrupt:
+        _record_interrupted(point, precision, launcher, path, started)
         raise
     except Exception as e:  # a rank failed, died or hung: record it and go on
         status, text = classify_failure(e)
@@ -105,6 +104,9 @@ def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -
         _, stderr = proc.communicate(timeout=point.train["timeout_s"])
         failure = None if proc.returncode == 0 else f"torchrun exited with {proc.returncode}:\n{stderr[-4000:]}"
         status = "fail"
+    except KeyboardInterrupt:  # torchrun and its ranks have the terminal's Ctrl-C too, and write no record
+        _record_interrupted(point, precision, "torchrun", path, started)
+        raise
     except subprocess.TimeoutExpired:
         proc.terminate()  # torchrun passes TERM on to its workers (they run in sessions of their own)
         try:
@@ -118,6 +120,12 @@ def _run_with_torchrun(point: Point, precision: str, path: Path, started: str) -
         record = build_record(point, precision, "torchrun", status, None, failure or "no record written", started)
         records.write_record(path, record)
     return record
+
+
+def _record_interrupted(point: Point, precision: str, launcher: str, path: Path, started: str) -> None:
+    """Ctrl-C: the running point's record says so (a re-run runs it again); the sweep then stops."""
+    records.write_record(path, build_record(point, precision, launcher, "fail", None, "interrupted by the user (Ctrl-C)",
+                                            started))
 
 
 def _override_value(value) -> str:

@@ -8,8 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from experiments import records
+from experiments.points import expand
 from experiments.commands import REPO
 
 # sweep.py as a user runs it, with each simulation stuck until killed (it writes its pid first)
@@ -149,3 +153,22 @@ def test_ctrl_c_in_the_largest_model_search_keeps_each_finished_simulation_and_a
         depths = {s["layers"] for s in r["largest_search"]["simulations"]}
         assert {f"{r['config']['gpus']}-{n}" for n in depths} >= {c for c in first if c.startswith(f"{r['config']['gpus']}-")}
     assert not any(r["status"] == "fail" for r in map(records.read_record, searched.glob("search/*.json")))
+
+
+def test_ctrl_c_in_a_torchrun_sweep_records_the_running_point_as_interrupted(compose, tmp_path, monkeypatch):
+    """launcher=torchrun: the sweep's line says the running point says it was interrupted; its
+    ranks write no record on Ctrl-C, so the sweep writes it."""
+    from experiments.sweeps import local
+
+    class Interrupted:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def communicate(self, timeout=None):
+            raise KeyboardInterrupt
+    [point] = expand(compose("model=tiny_s", "gpus=[2]", "stage=2"))
+    monkeypatch.setattr(local, "subprocess", SimpleNamespace(**vars(subprocess) | {"Popen": Interrupted}))
+    with pytest.raises(KeyboardInterrupt):
+        local.run_point(point, "torchrun", tmp_path)
+    record = records.read_record(tmp_path / f"{point.point_id}.json")
+    assert record["status"] == "fail" and record["error"] == "interrupted by the user (Ctrl-C)"
