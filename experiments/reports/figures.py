@@ -351,9 +351,9 @@ def communication(records: list[dict]) -> Figure:
     ax.set_xticks(range(4), [STAGE_NAMES[s] for s in range(4)])
     ax.set(ylabel="elements per step / Ψ")
     if any(max(c.root_kept, default=0) > 0 for c in by_stage.values()):
-        ax.set_title("measured (dots) vs the paper's 2Ψ, 2Ψ, 2Ψ, 3Ψ (bars); Pos+g+p under 3Ψ: the engine's\n"
-                     "default gathers the root unit once a step (stage3_keep_root); "
-                     "zero.stage3_keep_root=false moves 3Ψ", fontsize=9)
+        ax.set_title("measured (dots) vs the paper's 2Ψ, 2Ψ, 2Ψ, 3Ψ (bars); Pos+g+p under 3Ψ:\n"
+                     "by default the engine gathers the root unit once a step\n"
+                     "(stage3_keep_root); zero.stage3_keep_root=false moves 3Ψ", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
     _headroom(ax, 0.15)
     _log_axis(detail.yaxis, [r["comm"]["elements_per_step"] for r in ok])
