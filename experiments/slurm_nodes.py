@@ -4,10 +4,11 @@ slurm.conf, or in a DNS the compute nodes do not use). slurm/launch.sh rendezvou
 node's address and gives each node's torchrun its own; a submitit job's TCPStore is served at
 the first node's address (experiments/sweeps/slurm_job.py).
 
-    python -m experiments.slurm_nodes node[1-2]   # one "name address" line per node, in job order
+    python -m experiments.slurm_nodes node1 node2   # "name address how" a node, in order
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -29,30 +30,43 @@ def node_addresses(names: list[str], show_node: str) -> dict[str, str]:
 
 
 def query_addresses(names: list[str]) -> dict[str, str]:
-    """{name: address} for these node names, asking scontrol. Where scontrol cannot say (not
-    installed, the controller unreachable, names it does not know), names stay names."""
-    return node_addresses(names, _scontrol("show", "node", "-o", ",".join(names)))
+    """{name: address} for these node names, asking scontrol (slurm_job.py's store)."""
+    return {name: address for name, (address, _) in located(names).items()}
 
 
-def job_node_addresses(hostlist: str) -> dict[str, str]:
-    """{name: address} for a Slurm hostlist (SLURM_JOB_NODELIST), in its order."""
-    return query_addresses(_scontrol("show", "hostnames", hostlist).split() or [hostlist])
-
-
-def _scontrol(*args: str) -> str:
+def located(names: list[str], head_fallback: str = "") -> dict[str, tuple[str, str]]:
+    """{name: (address, how)} for these node names, how being "nodeaddr" (Slurm's NodeAddr),
+    "launch" (`head_fallback`, the first node's address as srun's tasks saw it: only where
+    `scontrol show node` failed) or "name" (Slurm has no address, or scontrol could not say:
+    why goes to stderr, for the job's log)."""
     try:
-        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout if done.returncode == 0 else ""
+        done = subprocess.run(["scontrol", "show", "node", "-o", ",".join(names)], capture_output=True, text=True,
+                              timeout=60)
+        failed = done.returncode != 0 and f"exit code {done.returncode}: {' '.join(done.stderr.split())[-300:]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        done, failed = None, str(e)
+    if failed:
+        fallback = f"{names[0]} at {head_fallback}, the others" if head_fallback else "the nodes"
+        print(f"warning: scontrol show node failed ({failed}); {fallback} by name", file=sys.stderr)
+        return {name: (head_fallback, "launch") if head_fallback and i == 0 else (name, "name")
+                for i, name in enumerate(names)}
+    return {name: (address, "name" if address == name else "nodeaddr")
+            for name, address in node_addresses(names, done.stdout).items()}
+
+
+def rendezvous_port(job_id: int) -> int:
+    """A job's rendezvous port, as slurm/launch.sh picks it: ZERO_REPRO_RDZV_PORT, else 10000 +
+    job id % 20000, below Linux's ephemeral range (32768-60999, the OS's pick for clients' ports)
+    and distinct for 20000 consecutive jobs."""
+    return int(os.environ.get("ZERO_REPRO_RDZV_PORT") or 10000 + job_id % 20000)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m experiments.slurm_nodes <Slurm hostlist, e.g. $SLURM_JOB_NODELIST>", file=sys.stderr)
+    if not argv:
+        print("usage: python -m experiments.slurm_nodes <node name>...", file=sys.stderr)
         return 2
-    for name, address in job_node_addresses(argv[0]).items():
-        print(name, address)
+    for name, (address, how) in located(argv, os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "")).items():
+        print(name, address, how)
     return 0
 
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from experiments.points import ConfigError, Point, check_host_memory, expand
 from experiments.run.outcome import RanksLost
 from experiments.run.real import run_as_rank
-from experiments.slurm_nodes import query_addresses
+from experiments.slurm_nodes import query_addresses, rendezvous_port
 from experiments.sweeps.local import already_done, record_invalid
 
 LAUNCHER = "slurm (submitit)"  # the records' launcher
@@ -47,7 +47,7 @@ def run_job_points(points: list[Point], job, results_dir: Path, force: bool, ign
     timeout = timedelta(seconds=max(p.train["timeout_s"] for p in todo))
     # at the first node's address as Slurm has it: its name may resolve nowhere but in Slurm
     head = job.hostnames[0]
-    store = dist.TCPStore(query_addresses([head])[head], 20000 + int(job.raw_job_id) % 20000, job.num_tasks,
+    store = dist.TCPStore(query_addresses([head])[head], rendezvous_port(int(job.raw_job_id)), job.num_tasks,
                           is_master=job.global_rank == 0, timeout=timeout)
     for point in todo:
         if not ignore_host_memory and _host_refuses(point, job, store, results_dir):

@@ -22,15 +22,15 @@ TINY = ("model=tiny_s", "gpus=2", "train.warmup_steps=1", "train.steps=2")
 
 
 def _job_port() -> int:
-    """A free port that slurm_job derives from a job id (20000 + id % 20000)."""
-    for port in range(20000 + time.monotonic_ns() % 19000, 40000):
+    """A free port that slurm_job derives from a job id (10000 + id % 20000)."""
+    for port in range(10000 + time.monotonic_ns() % 19000, 30000):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
                 return port
             except OSError:
                 continue
-    raise RuntimeError("no free port in 20000-39999")
+    raise RuntimeError("no free port in 10000-29999")
 
 
 def _task(points, results_dir, port) -> float:
@@ -39,7 +39,7 @@ def _task(points, results_dir, port) -> float:
     dist.barrier()  # every rank is done setting up spawn's group (else rank 1 may still connect to rank 0's)
     dist.destroy_process_group()  # spawn's; a Slurm task starts without one
     job = SimpleNamespace(global_rank=rank, num_tasks=world, local_rank=rank, hostnames=["127.0.0.1"],
-                          raw_job_id=str(port - 20000))
+                          raw_job_id=str(port - 10000))
     began = time.monotonic()
     run_job_points(points, job, results_dir, force=False)
     return time.monotonic() - began

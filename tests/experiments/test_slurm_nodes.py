@@ -3,11 +3,12 @@
 NodeAddr, each node's torchrun told its own (slurm/node.sh)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
-from experiments.slurm_nodes import node_addresses
+from experiments.slurm_nodes import node_addresses, rendezvous_port
 from slurm_stubs import REPO, run_launch, srun_arguments, srun_environment
 
 # `scontrol show node -o node1,node2` on the test tier's cluster (Slurm 22.05), shortened
@@ -44,7 +45,7 @@ def test_a_node_slurm_gives_no_address_keeps_its_name():
 def test_launch_rendezvouses_at_the_first_nodes_address_and_says_so(tmp_path):
     done = run_launch(tmp_path, "gpus=2", nodes=("node1", "node2"), show_node=ONE_LINE)
     assert done.returncode == 0, done.stderr
-    port = 20000 + 4242
+    port = 10000 + 4242
     assert f"2 node(s) x 1 ranks, rendezvous 10.1.0.7:{port} (node1's NodeAddr)" in done.stdout
     assert f"--rdzv-endpoint=10.1.0.7:{port}" in srun_arguments(tmp_path)
     assert srun_environment(tmp_path)["ZERO_REPRO_RDZV_HEAD"] == "node1"  # slurm/node.sh's is_host
@@ -53,10 +54,10 @@ def test_launch_rendezvouses_at_the_first_nodes_address_and_says_so(tmp_path):
 def test_launch_falls_back_to_the_name_only_where_slurm_has_no_address(tmp_path):
     done = run_launch(tmp_path, "gpus=2", nodes=("gpu-a", "gpu-b"), show_node=MULTI_LINE)
     assert done.returncode == 0, done.stderr
-    assert "rendezvous gpu-a:24242 (gpu-a's name: Slurm gives it no NodeAddr)" in done.stdout
+    assert "rendezvous gpu-a:14242 (gpu-a's name: Slurm gives it no NodeAddr)" in done.stdout
     (tmp_path / "v6").mkdir()
     done = run_launch(tmp_path / "v6", "gpus=1", nodes=("gpu-b",), show_node=MULTI_LINE)
-    assert "--rdzv-endpoint=[fd00::b]:24242" in srun_arguments(tmp_path / "v6")
+    assert "--rdzv-endpoint=[fd00::b]:14242" in srun_arguments(tmp_path / "v6")
 
 
 def test_each_nodes_torchrun_is_told_its_own_address(tmp_path):
@@ -95,3 +96,55 @@ def test_torchrun_reads_the_rendezvous_conf_from_pet_rdzv_conf(monkeypatch):
     monkeypatch.setenv("PET_RDZV_CONF", "is_host=0,read_timeout=600,join_timeout=900")
     args = get_args_parser().parse_args(["train.py"])
     assert args.rdzv_conf == "is_host=0,read_timeout=600,join_timeout=900"
+
+
+def test_a_hostlist_scontrol_cannot_expand_is_refused_in_one_line(tmp_path):
+    """Before, the hostlist itself became the first node's name: endpoint 'node[1-2]:PORT', and
+    torchrun's ValueError on every node."""
+    done = run_launch(tmp_path, "gpus=2", nodes=("node1", "node2"), scontrol_fails="hostnames")
+    assert done.returncode == 2 and srun_arguments(tmp_path) is None
+    assert done.stderr == ("error: scontrol show hostnames node1,node2 failed: slurm_load_node error: Unable to "
+                           "contact slurm controller (connect failure)\n")
+    status = json.loads((tmp_path / "results" / "4242" / "job_status.json").read_text())
+    assert status["status"] == "invalid" and status["message"].startswith("scontrol show hostnames")
+
+
+def test_without_scontrol_show_node_the_head_is_where_srun_saw_the_batch_node(tmp_path):
+    """scontrol show node failing is logged with scontrol's words, and the first node (the batch
+    node) is reached at SLURM_LAUNCH_NODE_IPADDR as the check's tasks had it, the others by name."""
+    done = run_launch(tmp_path, "gpus=2", nodes=("node1", "node2"), scontrol_fails="node")
+    assert done.returncode == 0, done.stderr
+    assert "warning: scontrol show node failed (exit code 1: slurm_load_node error: Unable to contact slurm " \
+           "controller (connect failure)); node1 at 10.9.9.9, the others by name" in done.stderr
+    assert "rendezvous 10.9.9.9:14242 (node1's address as srun saw it: scontrol show node failed)" in done.stdout
+    assert srun_environment(tmp_path)["ZERO_REPRO_NODE_ADDRS"].split() == ["node1=10.9.9.9", "node2=node2"]
+
+
+def test_the_rendezvous_address_and_port_can_be_given(tmp_path):
+    done = run_launch(tmp_path, "gpus=2", nodes=("node1", "node2"), show_node=ONE_LINE,
+                      ZERO_REPRO_RDZV_ADDR="10.2.0.7", ZERO_REPRO_RDZV_PORT="29400")
+    assert done.returncode == 0, done.stderr
+    assert "rendezvous 10.2.0.7:29400 (ZERO_REPRO_RDZV_ADDR, on node1)" in done.stdout
+    assert "--rdzv-endpoint=10.2.0.7:29400" in srun_arguments(tmp_path)
+    (tmp_path / "bad").mkdir()
+    done = run_launch(tmp_path / "bad", "gpus=2", ZERO_REPRO_RDZV_PORT="70000")
+    assert done.returncode == 2 and done.stderr == "error: ZERO_REPRO_RDZV_PORT=70000 is not a port (1-65535)\n"
+
+
+def test_the_port_is_below_the_ephemeral_range_for_every_job_id(monkeypatch):
+    """10000 + id % 20000: never in Linux's 32768-60999, where a client's port may already hold it
+    (20000 + id % 20000 was there for 36% of the ids), as slurm_job.py's store has it too."""
+    monkeypatch.delenv("ZERO_REPRO_RDZV_PORT", raising=False)
+    assert {rendezvous_port(job) for job in range(100000)} == set(range(10000, 30000))
+    monkeypatch.setenv("ZERO_REPRO_RDZV_PORT", "29400")
+    assert rendezvous_port(4242) == 29400
+
+
+def test_a_job_using_fewer_nodes_than_it_holds_names_them_to_both_sruns(tmp_path):
+    """run_60b_scaling.sh's elements hold 25 nodes and use the first ones: the check and the ranks
+    must run on the nodes the rendezvous was set up for, not on those srun --nodes=N picks."""
+    done = run_launch(tmp_path, "gpus=2", nodes=("node1", "node2", "node3"), GPUS_PER_NODE="1", show_node=ONE_LINE)
+    assert done.returncode == 0, done.stderr
+    assert "--nodelist=node1,node2" in (tmp_path / "check_args").read_text().split()
+    assert "--nodelist=node1,node2" in srun_arguments(tmp_path)
+    assert json.loads((tmp_path / "results" / "4242" / "job_status.json").read_text())["nodes"] == ["node1", "node2"]
