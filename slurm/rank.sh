@@ -7,8 +7,11 @@
 # death is kept (noclobber), and none by TERM: that is how torchrun and srun end the other ranks.
 "$@"
 code=$?
+# A signal's death is 128 + its number (up to 64); 255 and other codes above 128 that name no
+# signal are a rank's own exit codes (exit(-1) is 255), which its record explains.
 signal=$(( code - 128 ))
-if (( signal > 0 )) && [ "$signal" -ne "$(kill -l TERM)" ] && [ -n "${ZERO_REPRO_RANK_DIED:-}" ]; then
+if (( signal > 0 && signal <= 64 )) && kill -l "$signal" >/dev/null 2>&1 && [ "$signal" -ne "$(kill -l TERM)" ] \
+        && [ -n "${ZERO_REPRO_RANK_DIED:-}" ]; then
     (set -o noclobber
      echo "rank ${RANK:-?} on ${SLURMD_NODENAME:-$(hostname -s)} died of signal $signal (SIG$(kill -l "$signal"))" \
          > "$ZERO_REPRO_RANK_DIED") 2>/dev/null

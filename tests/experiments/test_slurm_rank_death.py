@@ -29,4 +29,6 @@ def test_exits_and_the_launchers_term_name_nobody(tmp_path):
     assert run_rank(note, "1", "node2", "exit 1") == 1
     assert run_rank(note, "1", "node2", "kill -TERM $$") == 128 + 15
     assert run_rank(note, "1", "node2", "exit 0") == 0
+    assert run_rank(note, "1", "node2", "exit 255") == 255  # exit(-1): a code, not signal 127
+    assert run_rank(note, "1", "node2", "exit 200") == 200
     assert not note.exists()
