@@ -3,6 +3,7 @@ every task one rank of each of the job's points in turn; rank 0 writes the recor
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 from datetime import timedelta
@@ -39,16 +40,19 @@ def run_job_points(points: list[Point], job, results_dir: Path, force: bool, ign
     the whole job, served by rank 0 at the job's port, carries every point's rendezvous and the
     ranks' agreement on its outcome (experiments/run/outcome.py): after a failed point every task
     goes on to the next one; after a rank fell silent (died, or stuck) the job ends."""
-    todo = [p for p in points if not already_done(p, results_dir, force)]  # every task reads the same files
-    if not todo:
-        return
     os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank))
     # per-point keys (each point's own prefix); rank 0 waits here for every task to connect
-    timeout = timedelta(seconds=max(p.train["timeout_s"] for p in todo))
+    timeout = timedelta(seconds=max(p.train["timeout_s"] for p in points))
     # at the first node's address as Slurm has it: its name may resolve nowhere but in Slurm
     head = job.hostnames[0]
     store = dist.TCPStore(query_addresses([head])[head], rendezvous_port(int(job.raw_job_id)), job.num_tasks,
                           is_master=job.global_rank == 0, timeout=timeout)
+    # Rank 0 decides which points are left, for every task: a task that saw the records' folder
+    # otherwise (another node's cache of a shared file system) would wait on other points' keys.
+    if job.global_rank == 0:
+        store.set("job/todo", json.dumps([p.point_id for p in points if not already_done(p, results_dir, force)]))
+    by_id = {p.point_id: p for p in points}
+    todo = [by_id[point_id] for point_id in json.loads(store.get("job/todo"))]
     for point in todo:
         if not ignore_host_memory and _host_refuses(point, job, store, results_dir):
             continue

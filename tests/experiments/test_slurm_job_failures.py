@@ -2,6 +2,8 @@
 rank fails: every rank goes on to the next point, and rank 0's record says why."""
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -113,3 +115,35 @@ def test_torchrun_point_records_the_failing_rank(tmp_path):
     [record] = load_records(tmp_path, "cpu_default")
     assert record["status"] == "fail" and record["error"].startswith("rank 1 failed first"), record["error"]
     assert "injected fault (train.fault=raise_last_rank) on rank 1" in record["error"]
+
+
+def test_every_task_runs_the_points_rank_0_found_left(compose, tmp_path, monkeypatch):
+    """Rank 0 publishes which points are left: a task that sees an ok record rank 0 does not
+    (another node's stale view of the shared folder) still runs every point with it, instead of
+    waiting on another point's keys."""
+    from experiments.sweeps import slurm_job
+
+    class Store:  # the job's one TCPStore, shared by the tasks
+        values: dict[str, bytes] = {}
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def set(self, key: str, value: str) -> None:
+            self.values[key] = value.encode()
+
+        def get(self, key: str) -> bytes:
+            return self.values[key]
+
+    first, second = (expand(compose(*TINY, f"stage={s}", f"results_dir={tmp_path}"))[0] for s in (1, 2))
+    monkeypatch.setattr(slurm_job.dist, "TCPStore", Store)
+    monkeypatch.setattr(slurm_job, "query_addresses", lambda hosts: {h: h for h in hosts})
+    ran = []
+    monkeypatch.setattr(slurm_job, "run_as_rank", lambda point, *args: ran.append((os.environ["RANK"], point)))
+    for rank, view in ((0, tmp_path / "rank0"), (1, tmp_path / "rank1")):
+        job = SimpleNamespace(global_rank=rank, num_tasks=2, local_rank=rank, hostnames=["node1"], raw_job_id="7")
+        if rank == 1:  # this task sees the first point done
+            view.mkdir()
+            (view / f"{first.point_id}.json").write_text(json.dumps({"status": "ok"}))
+        slurm_job.run_job_points([first, second], job, view, force=False, ignore_host_memory=True)
+    assert ran == [("0", first), ("0", second), ("1", first), ("1", second)]
