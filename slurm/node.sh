@@ -7,6 +7,12 @@
 for pair in ${ZERO_REPRO_NODE_ADDRS:-}; do
     if [ "${pair%%=*}" = "${SLURMD_NODENAME:-}" ]; then export PET_LOCAL_ADDR="${pair#*=}"; fi
 done
+# gloo (the CPU jobs' backend) binds where the host's name resolves, 127.0.1.1 on Ubuntu, which
+# no other node reaches: where unset, its interface is the one holding this node's address.
+if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && [ -n "${PET_LOCAL_ADDR:-}" ]; then
+    ifname="$(ip -o addr show 2>/dev/null | awk -v a="$PET_LOCAL_ADDR" '{split($4, p, "/")} p[1] == a {print $2; exit}')"
+    if [ -n "$ifname" ]; then export GLOO_SOCKET_IFNAME="$ifname"; fi
+fi
 # torchrun's --rdzv-conf. is_host: the rendezvous' store is served by the first node
 # ($ZERO_REPRO_RDZV_HEAD) and by no other. Left to torch, each node guesses by resolving its own
 # hostname against the endpoint, which fails where the hostname maps to 127.0.1.1 (Ubuntu's

@@ -74,7 +74,7 @@ def test_each_nodes_torchrun_is_told_its_own_address(tmp_path):
 
 def node_sh_env(node: str, **env: str) -> dict[str, str]:
     """What slurm/node.sh exports to torchrun on `node` of a job whose first node is node1."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM", "ZERO_REPRO_"))}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM", "ZERO_REPRO_", "GLOO_"))}
     done = subprocess.run([str(REPO / "slurm" / "node.sh"), "env"], capture_output=True, text=True, timeout=30,
                           env={**base, "ZERO_REPRO_RDZV_HEAD": "node1", "SLURMD_NODENAME": node, **env})
     assert done.returncode == 0, done.stderr
@@ -148,3 +148,15 @@ def test_a_job_using_fewer_nodes_than_it_holds_names_them_to_both_sruns(tmp_path
     assert "--nodelist=node1,node2" in (tmp_path / "check_args").read_text().split()
     assert "--nodelist=node1,node2" in srun_arguments(tmp_path)
     assert json.loads((tmp_path / "results" / "4242" / "job_status.json").read_text())["nodes"] == ["node1", "node2"]
+
+
+def test_gloo_binds_the_interface_holding_the_nodes_address(tmp_path):
+    """Unset, gloo binds where the hostname resolves (127.0.1.1 on Ubuntu): a CPU job across real
+    nodes would publish an address no other node reaches. A GLOO_SOCKET_IFNAME given is kept."""
+    (tmp_path / "ip").write_text("#!/bin/sh\necho '1: lo    inet 127.0.0.1/8 scope host lo'\n"
+                                 "echo '2: eth1    inet 10.1.0.8/24 brd 10.1.0.255 scope global eth1'\n")
+    (tmp_path / "ip").chmod(0o755)
+    env = {"ZERO_REPRO_NODE_ADDRS": "node1=10.1.0.7 node2=10.1.0.8", "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    assert node_sh_env("node2", **env)["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert node_sh_env("node2", **env, GLOO_SOCKET_IFNAME="ib0")["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert "GLOO_SOCKET_IFNAME" not in node_sh_env("node3", **env)  # no address known: gloo's own choice
