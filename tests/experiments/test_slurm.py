@@ -234,7 +234,7 @@ def test_a_rank_killed_on_node_2_fails_the_job_at_once_naming_it(slurm, tmp_path
     while time.monotonic() < deadline and not list((tmp_path / job).glob("run_7b_zero2/checkpoints/*/step_2")):
         time.sleep(0.5)
     [victim] = [pid for pid in _rank_processes(job) if _environ(pid).get("SLURMD_NODENAME") == "node2"]
-    rank = _environ(victim)["RANK"]  # the rendezvous numbers the nodes in the order they join
+    rank = _environ(victim)["RANK"]  # torch numbers the nodes by (address, pid): both are 127.0.0.1 here
     killed = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     state = wait_for_end(slurm, job, timeout=120)
