@@ -1,6 +1,6 @@
 """hydra/launcher=slurm's checks before anything is submitted (a Hydra callback that
-conf/hydra/launcher/slurm.yaml adds): a Slurm that answers here, and as many tasks per job as the
-point has GPUs. Without them, no Slurm is a 45-line traceback from submitit, and a task count
+conf/hydra/launcher/slurm.yaml adds): a Slurm that answers here, as many tasks per job as the
+point has GPUs, and as many GPUs per node as tasks. Without them, no Slurm is a 45-line traceback from submitit, and a task count
 that is not gpus a job whose ranks refuse to start. Bad input is one line on stderr and exit
 code 2, as everywhere in the suite."""
 from __future__ import annotations
@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 
 class SlurmBoundary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        problem = slurm_unreachable() or task_count_problem(config.hydra.launcher, config.gpus)
+        problem = (slurm_unreachable() or task_count_problem(config.hydra.launcher, config.gpus)
+               or gpu_count_problem(config.hydra.launcher))
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             sys.exit(2)
@@ -44,3 +45,13 @@ def task_count_problem(launcher: DictConfig, gpus: Any) -> str | None:
     fix = (f"give hydra.launcher.tasks_per_node={gpus // nodes}" if gpus % nodes == 0 else
            f"give gpus a multiple of hydra.launcher.nodes={nodes}")
     return f"gpus={gpus} but hydra.launcher starts {nodes} node(s) x {per_node} task(s): {fix}"
+
+
+def gpu_count_problem(launcher: DictConfig) -> str | None:
+    """One task per GPU: a node's GPUs (gpus_per_node, null for CPU nodes) must be its tasks.
+    gpus_per_node follows gpus, so over several nodes it asks each node for all the job's GPUs."""
+    per_node, tasks = launcher.gpus_per_node, launcher.tasks_per_node or 1
+    if per_node is None or per_node == tasks:
+        return None
+    return (f"hydra.launcher.gpus_per_node={per_node} but tasks_per_node={tasks}: every task is one GPU's rank; "
+            f"give hydra.launcher.gpus_per_node={tasks}")

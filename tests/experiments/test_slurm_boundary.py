@@ -123,3 +123,18 @@ def test_the_slurm_launchers_tasks_must_be_the_points_gpus(tmp_path):
                           PATH=f"{bin_dir}:{os.environ['PATH']}")
     assert done.returncode == 2 and done.stderr == (
         "error: gpus=2 but hydra.launcher starts 2 node(s) x 2 task(s): give hydra.launcher.tasks_per_node=1\n")
+
+
+def test_the_slurm_launchers_gpus_per_node_must_be_its_tasks_per_node(tmp_path):
+    """gpus_per_node follows gpus: two nodes of 1 task each would each ask Slurm for 2 GPUs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sbatch", "sinfo"):
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / tool).chmod(0o755)
+    done = sweep_on_slurm("hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1",
+                          f"hydra.sweep.dir={tmp_path}/multirun", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert done.returncode == 2 and done.stderr == (
+        "error: hydra.launcher.gpus_per_node=2 but tasks_per_node=1: every task is one GPU's rank; "
+        "give hydra.launcher.gpus_per_node=1\n")
+    assert not (tmp_path / "multirun" / ".submitit").exists(), "nothing submitted"
