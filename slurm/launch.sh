@@ -7,8 +7,8 @@
 # matching the allocation and every node's GPUs), the overrides (on CPU nodes also the point's
 # memory against the node's), and a results folder (and train.checkpoint_dir) every node sees:
 # bad input is one line, status "invalid", exit 2, nothing started. Then it starts one torchrun
-# per node through srun (slurm/node.sh; each rank under slurm/rank.sh), with c10d rendezvous at the first
-# node's address as Slurm has it (NodeAddr: node names may resolve nowhere), running
+# per node through srun (slurm/node.sh; each rank under slurm/rank.sh), with c10d rendezvous at
+# the first node's address as Slurm has it (NodeAddr: node names may resolve nowhere), running
 # experiments/train.py on gpus/nodes ranks per node. Records land in a folder of this job,
 # results/slurm/<job id>/, beside job_status.json, which is written however the job ends (ok,
 # invalid, fail, or timeout when Slurm ends the job at its time limit). A rank that dies of a
