@@ -126,7 +126,8 @@ class Candidate:
         (else a row would not fit with headroom left, or reserve less than its tensors)."""
         replayed = self.replayed
         if replayed is not None and replayed["oom"]:
-            return max(self.reserved["unbounded"]["reserved_peak_bytes"], self.tensor_peak, self.limit + 1)
+            unbounded = self.reserved.get("unbounded", {}).get("reserved_peak_bytes", 0)  # records before it had none
+            return max(unbounded, self.tensor_peak, self.limit + 1)
         if replayed is not None:
             return replayed["reserved_peak_bytes"]
         return self.tensor_peak * (self.reserve_factor or 1.0)
