@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from experiments.reports.tables import micro_batches_per_step
+
+def micro_batches_per_step(record: dict) -> int:
+    """The micro-batches the record's optimizer step accumulates (train.grad_accum_steps)."""
+    return int(record.get("config", {}).get("train", {}).get("grad_accum_steps") or 1)
 
 
 @dataclass

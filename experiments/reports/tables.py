@@ -15,6 +15,7 @@ from experiments.analysis.memory import max_params, model_state_bytes
 from experiments.analysis.systems import SYSTEMS
 
 from experiments.records import REPO
+from experiments.reports.comm_claims import micro_batches_per_step
 PAPER_DIR = REPO / "results" / "paper"
 STAGE_NAMES = {0: "baseline DP", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
 PAPER_STAGES = {"Pos": 1, "Pos+g": 2, "Pos+g+p": 3}
@@ -240,11 +241,6 @@ def memory_table(records: list[dict]) -> pd.DataFrame:
         row["meas_over_pred"] = meas["total"] / pred["total"] if meas and pred.get("total") else None
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def micro_batches_per_step(record: dict) -> int:
-    """The micro-batches the record's optimizer step accumulates (train.grad_accum_steps)."""
-    return int(record.get("config", {}).get("train", {}).get("grad_accum_steps") or 1)
 
 
 def theory_elements_per_step(record: dict) -> int | None:
