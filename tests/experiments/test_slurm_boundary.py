@@ -92,6 +92,16 @@ def sweep_on_slurm(*args: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
+def slurm_tools(tmp_path: Path, **bodies: str) -> str:
+    """A PATH whose `sbatch` and `sinfo` are shell stubs with the given bodies (default: succeed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sbatch", "sinfo"):
+        (bin_dir / tool).write_text(f"#!/bin/sh\n{bodies.get(tool, 'exit 0')}\n")
+        (bin_dir / tool).chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
 def test_the_slurm_launcher_without_sbatch_says_so_in_one_line(tmp_path):
     done = sweep_on_slurm(f"hydra.sweep.dir={tmp_path}", PATH=str(tmp_path))
     assert done.returncode == 2 and done.stderr == (
@@ -101,39 +111,25 @@ def test_the_slurm_launcher_without_sbatch_says_so_in_one_line(tmp_path):
 
 def test_the_slurm_launcher_with_no_controller_says_so_in_one_line(tmp_path):
     """sbatch installed, but no Slurm answers (no slurm.conf here): sinfo's own last line says why."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool, body in (("sbatch", "exit 1"), ("sinfo", 'echo "sinfo: fatal: Could not establish a configuration '
-                                                       'source" >&2; exit 1')):
-        (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / tool).chmod(0o755)
-    done = sweep_on_slurm(f"hydra.sweep.dir={tmp_path}/multirun", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    path = slurm_tools(tmp_path, sbatch="exit 1",
+                       sinfo='echo "sinfo: fatal: Could not establish a configuration source" >&2; exit 1')
+    done = sweep_on_slurm(f"hydra.sweep.dir={tmp_path}/multirun", PATH=path)
     assert done.returncode == 2 and done.stderr == (
         "error: hydra/launcher=slurm: no Slurm controller answers here "
         "(sinfo: sinfo: fatal: Could not establish a configuration source)\n")
 
 
 def test_the_slurm_launchers_tasks_must_be_the_points_gpus(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool in ("sbatch", "sinfo"):
-        (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
-        (bin_dir / tool).chmod(0o755)
     done = sweep_on_slurm("hydra.launcher.nodes=2", f"hydra.sweep.dir={tmp_path}/multirun",
-                          PATH=f"{bin_dir}:{os.environ['PATH']}")
+                          PATH=slurm_tools(tmp_path))
     assert done.returncode == 2 and done.stderr == (
         "error: gpus=2 but hydra.launcher starts 2 node(s) x 2 task(s): give hydra.launcher.tasks_per_node=1\n")
 
 
 def test_the_slurm_launchers_gpus_per_node_must_be_its_tasks_per_node(tmp_path):
     """gpus_per_node follows gpus: two nodes of 1 task each would each ask Slurm for 2 GPUs."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool in ("sbatch", "sinfo"):
-        (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
-        (bin_dir / tool).chmod(0o755)
     done = sweep_on_slurm("hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1",
-                          f"hydra.sweep.dir={tmp_path}/multirun", PATH=f"{bin_dir}:{os.environ['PATH']}")
+                          f"hydra.sweep.dir={tmp_path}/multirun", PATH=slurm_tools(tmp_path))
     assert done.returncode == 2 and done.stderr == (
         "error: hydra.launcher.gpus_per_node=2 but tasks_per_node=1: every task is one GPU's rank; "
         "give hydra.launcher.gpus_per_node=1\n")
