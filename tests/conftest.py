@@ -32,6 +32,18 @@ def compose() -> Callable[..., DictConfig]:
     return compose_sweep
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Every test leaves os.environ as it found it. Code that runs as one rank of a launcher sets
+    RANK/WORLD_SIZE in its process (experiments/sweeps/slurm_job.py); called in-process by a test,
+    that would reach every later subprocess of the same xdist worker (`train.py gpus=1` then sees
+    a launcher of 2 ranks: a verdict that depends on which tests ran before)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 # A developer's own `make calibrate` profile (results/calibration/<host>.yaml) must change no
 # verdict: the suite sees an empty calibration folder (tests that need a profile write their own).
 os.environ["ZERO_REPRO_CALIBRATION_DIR"] = str(Path(__file__).resolve().parent / ".no_calibration")
