@@ -7,7 +7,9 @@ Two schemas, told apart by their columns:
 - `vtrain`: vTrain's iteration times (vtrain_a100_single_node.csv, vtrain_a100_multi_node.csv;
   the multi-node file adds the parameter count first): Megatron-DeepSpeed 2023 on DGX A100 nodes,
   fp16 assumed, full recomputation, vTrain's default vocabulary. Rows run by system
-  megatron_ds2023 on cluster dgx_a100 unless given.
+  megatron_ds2023 unless given, on cluster dgx_a100, or dgx_a100_800g for a file with the
+  parameter-count column: vTrain's multi-node runs had 800 Gb/s between nodes (its
+  config/validation/multi/*.json), not a DGX A100's 1,600; `cluster=` overrides both.
 - `throughput`: the sharded-data-parallel compilation (llm_foundry_a100_fsdp.csv), whose columns
   every file of its kind shares: measured tokens per second per GPU, the GPU, shape, sharding,
   precision and activation checkpointing per row. No system models llm-foundry's FSDP yet, so
@@ -30,11 +32,15 @@ from statistics import median
 from experiments.analysis import step_time as st
 from experiments.analysis.expected_error import quantile
 from experiments.analysis.hardware import Hardware, profile
-from experiments.analysis.systems import SYSTEMS
+from experiments.analysis.systems import System
 from experiments.models.gpt_shape import GPTShape
 
 VTRAIN_VOCAB = 50257   # vTrain's configs' default vocabulary (GPT-2's), padded by Megatron to 128 x TP
 VTRAIN_SYSTEM, VTRAIN_CLUSTER = "megatron_ds2023", "dgx_a100"
+# a vTrain file with the parameter-count column (only the multi-node file has it) ran on nodes
+# of 8 A100s with 800 Gb/s between them (inter_node_bandwidth: 800 in its
+# config/validation/multi/*.json): conf/cluster/dgx_a100_800g.yaml
+VTRAIN_MULTI_NODE_CLUSTER = "dgx_a100_800g"
 PIPELINE_REFUSAL = "pipeline parallelism > 1: not modelled"
 # vTrain's header -> the row's keys (the multi-node file's first column is optional)
 VTRAIN_COLUMNS = {"# GPUs": "gpus", "global batch": "global_batch", "micro batch": "micro_batch",
@@ -195,15 +201,17 @@ def hardware(cluster: str) -> Hardware:
     return profile(cluster)
 
 
-def _predicted(base: Outcome, x: st.StepInputs, system: str, cluster: str) -> Outcome:
-    """base predicted by `system` on `cluster`, or refused where the system cannot run x."""
-    if x.stage not in SYSTEMS[system].stages:
-        return _refused(base, f"system {system} runs ZeRO stages {list(SYSTEMS[system].stages)}, not {x.stage}")
+def _predicted(base: Outcome, x: st.StepInputs, system: str | System, cluster: str) -> Outcome:
+    """base predicted by `system` (a name, or a System: a variant of one) on `cluster`, or
+    refused where the system cannot run x."""
+    spec = st.resolve_system(system)
+    if x.stage not in spec.stages:
+        return _refused(base, f"system {spec.name} runs ZeRO stages {list(spec.stages)}, not {x.stage}")
     try:
-        prediction = st.predict(x, hardware(cluster), system)
+        prediction = st.predict(x, hardware(cluster), spec)
     except ValueError as e:   # a constraint of the model's own (a kernel it cannot size, ...)
         return _refused(base, f"the model cannot express it: {e}")
-    return Outcome(base.index, base.row, base.measured, base.measured_step_s, system, cluster, prediction,
+    return Outcome(base.index, base.row, base.measured, base.measured_step_s, spec.name, cluster, prediction,
                    tokens_per_step=base.tokens_per_step)
 
 
@@ -222,7 +230,8 @@ def _vtrain_outcome(index: int, text: dict, system: str | None, cluster: str | N
     why = _shape_refusal(row, row["pp"])
     if why:
         return _refused(base, why)
-    return _predicted(base, vtrain_inputs(row), system or VTRAIN_SYSTEM, cluster or VTRAIN_CLUSTER)
+    default = VTRAIN_MULTI_NODE_CLUSTER if VTRAIN_PARAMS in text else VTRAIN_CLUSTER
+    return _predicted(base, vtrain_inputs(row), system or VTRAIN_SYSTEM, cluster or default)
 
 
 def throughput_row(text: dict) -> dict:
@@ -289,9 +298,11 @@ def _throughput_outcome(index: int, text: dict, system: str | None, cluster: str
     return _predicted(base, x, system, cluster or GPU_CLUSTERS[row["gpu"]])
 
 
-def predict_file(path: str | Path, system: str | None = None,
+def predict_file(path: str | Path, system: str | System | None = None,
                  cluster: str | None = None) -> tuple[Schema, list[Outcome]]:
-    """Every row of the file predicted or refused; `system` and `cluster` replace each row's own."""
+    """Every row of the file predicted or refused; `system` (a name, or a System: a variant of one,
+    reports/dev_set.py's with its host constants left one source out) and `cluster` replace each
+    row's own."""
     schema, rows = read(path)
     outcome = _vtrain_outcome if schema is VTRAIN else _throughput_outcome
     return schema, [outcome(i, text, system, cluster) for i, text in enumerate(rows)]
