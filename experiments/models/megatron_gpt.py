@@ -44,6 +44,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 with warnings.catch_warnings():  # megatron-core announces every optional CUDA kernel it falls back from
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed", category=UserWarning)
@@ -94,6 +95,7 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
     (for counting, or for stage 3's unit-by-unit materialization with `megatron_param_init_fn`).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    shape.check()
     shape.check_tp(tp)
     with warnings.catch_warnings():  # megatron 0.16 warns about a CUDA-graph default it sets itself
         warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
@@ -105,9 +107,10 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
     for k in _INIT_METHODS:
         setattr(config, k, _skip_init)
     try:
-        model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(layer_spec),
+        model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(layer_spec, shape),
                          vocab_size=padded_vocab_size(shape.vocab_size, tp), max_sequence_length=shape.seq_len,
-                         position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+                         position_embedding_type=POSITION_EMBEDDING_TYPES[shape.position],
+                         share_embeddings_and_output_weights=shape.tie_embeddings)
     finally:
         for k, method in methods.items():
             setattr(config, k, method)
@@ -116,6 +119,8 @@ def build_gpt(shape: GPTShape, *, recompute: bool = False, seed: int = INIT_SEED
 
 
 _INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
+POSITION_EMBEDDING_TYPES = {"learned": "learned_absolute", "rope": "rope"}   # model.position -> GPTModel's
+NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}             # model.norm -> TransformerConfig's
 
 
 def _skip_init(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,6 +135,10 @@ def transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.d
     return TransformerConfig(params_dtype=dtype, fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
         attention_softmax_in_fp32=True,
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        # the Llama / MPT choices (GPTShape's defaults are megatron's: GPT-2's model)
+        num_query_groups=shape.kv_heads, ffn_hidden_size=shape.ffn, add_bias_linear=shape.bias,
+        normalization=NORMALIZATIONS[shape.norm],
+        **({"gated_linear_unit": True, "activation_func": F.silu} if shape.mlp == "swiglu" else {}),
         # megatron's "CPU" initialization allocates on the default device (no device= of its own)
         tensor_model_parallel_size=tp, use_cpu_initialization=True, init_method_std=INIT_STD,
         hidden_dropout=dropout, attention_dropout=dropout,
@@ -138,12 +147,28 @@ def transformer_config(shape: GPTShape, tp: int, recompute: bool, dtype: torch.d
         recompute_num_layers=1 if recompute else None)
 
 
-def gpt_layer_spec(name: str = "local"):
+def gpt_layer_spec(name: str = "local", shape: GPTShape | None = None):
     """megatron-core's transformer layer spec `name`, one of LAYER_SPECS: "local" is megatron's
     own modules, the model every CPU test checks; "transformer_engine" is TE's fused modules, as
-    in NGC images, only when asked for (never because TE happens to be importable)."""
+    in NGC images, only when asked for (never because TE happens to be importable).
+
+    With model.norm=rmsnorm the local spec's norms are megatron's WrappedTorchNorm
+    (torch.nn.RMSNorm), the final one included: a block spec naming it, since megatron's
+    default final norm is Apex's FusedLayerNorm where Apex imports, which refuses RMSNorm.
+    megatron's local RMSNorm spec also sets a module-global (backends.LNImpl) that later
+    LayerNorm specs would inherit: restored here. TE's modules read the config's normalization."""
     if name == "local":
-        return get_gpt_layer_local_spec()
+        if shape is None or shape.norm != "rmsnorm":
+            return get_gpt_layer_local_spec()
+        from megatron.core.models import backends
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        saved = backends.LNImpl
+        try:
+            layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+        finally:
+            backends.LNImpl = saved
+        return TransformerBlockSubmodules(layer_specs=[layer] * shape.layers,
+                                          layer_norm=layer.submodules.input_layernorm)
     if name != "transformer_engine":
         raise ValueError(f"layer_spec must be one of {list(LAYER_SPECS)}, got {name!r}")
     try:

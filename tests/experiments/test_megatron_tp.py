@@ -8,6 +8,7 @@ summed in which order (helpers.fp64_tolerance).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -242,3 +243,68 @@ def test_tp_checkpoint_reshards_dp_at_fixed_tp_and_refuses_another_tp(tmp_path):
     [refused] = spawn(_megatron, 1, 1, 2, path, None, True, 6, timeout=180)
     assert refused["refused"].startswith("checkpoint saved at TP 2, this engine runs TP 1: parameter ")
     assert "is split 2 ways there, 1 here" in refused["refused"]
+
+
+# The Llama / MPT choices (model.ffn_hidden, kv_heads, bias, position, mlp, norm,
+# tie_embeddings), alone and together, against megatron-core's own GPT on the meta device.
+LLAMA_TINY = GPTShape(layers=2, hidden=32, heads=4, seq_len=8, vocab_size=256, ffn_hidden=40, kv_heads=2, bias=False,
+                      position="rope", mlp="swiglu", norm="rmsnorm", tie_embeddings=False)
+CHOICES = [dict(ffn_hidden=40), dict(kv_heads=2), dict(bias=False), dict(position="rope"), dict(mlp="swiglu"),
+           dict(norm="rmsnorm"), dict(tie_embeddings=False),
+           dict(bias=False, position="learned", norm="layernorm", tie_embeddings=True, vocab_size=50368)]  # MPT's
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("choice", CHOICES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_closed_form_count_of_each_choice_matches_meta_device_build(choice, tp):
+    shape = dataclasses.replace(GPTShape(layers=2, hidden=32, heads=4, seq_len=8, vocab_size=256), **choice)
+    counts = spawn(_local_counts, tp, shape, tp, timeout=120)
+    total = sum(c["sharded"] for c in counts) + counts[0]["duplicated"]
+    assert total == parameter_count(shape, tp)
+    assert counts[0]["sharded"] + counts[0]["duplicated"] == parameters_per_tp_rank(shape, tp)
+    assert parameter_count(shape, tp) != parameter_count(GPTShape(2, 32, 4, 8, choice.get("vocab_size", 256)), tp)
+
+
+@pytest.mark.parametrize("shape,tp", [(LLAMA_TINY, 2),
+                                      (GPTShape(layers=4, hidden=4096, heads=32, seq_len=8192, vocab_size=128256,
+                                                ffn_hidden=14336, kv_heads=8, bias=False, position="rope",
+                                                mlp="swiglu", norm="rmsnorm", tie_embeddings=False), 2)])  # Llama 3 8B's width
+def test_closed_form_count_of_llama_shapes_matches_meta_device_build(shape, tp):
+    counts = spawn(_local_counts, tp, shape, tp, timeout=120)
+    assert all(c["meta"] for c in counts)
+    total = sum(c["sharded"] for c in counts) + counts[0]["duplicated"]
+    assert total == parameter_count(shape, tp)
+    assert counts[0]["sharded"] + counts[0]["duplicated"] == parameters_per_tp_rank(shape, tp)
+
+
+def test_llama_3_8b_count_is_meta_s_8b():
+    llama = GPTShape(layers=32, hidden=4096, heads=32, seq_len=8192, vocab_size=128256, ffn_hidden=14336, kv_heads=8,
+                     bias=False, position="rope", mlp="swiglu", norm="rmsnorm", tie_embeddings=False)
+    # Meta's Llama-3-8B: 8,030,261,248 parameters (its safetensors; 128256 is already a multiple of 128)
+    assert parameter_count(llama) == 8_030_261_248
+
+
+def _llama_logits(tp: int) -> dict:
+    """The Llama-like model's initial weights (gathered over TP) and its logits, drawn by name."""
+    _, tp_group = initialize_parallel(tp)
+    model = build_gpt(LLAMA_TINY).double()
+    names = {n for n, _ in model.named_parameters()}
+    params = gather_tp(model, {n: p.detach().clone() for n, p in model.named_parameters()}, tp_group)
+    inputs = lm_inputs(_batch(0))
+    inputs.pop("labels")
+    logits = tensor_parallel.gather_from_tensor_model_parallel_region(model(**inputs)).detach()
+    return {"names": names, "logits": logits, "fc1": params["decoder.layers.0.mlp.linear_fc1.weight"]}
+
+
+def test_llama_like_model_is_the_same_model_at_any_tp():
+    """SwiGLU's fc1 holds [gate; up] and each TP rank keeps its slice of both (megatron's
+    stride 2): drawn by name, TP=2 computes the TP=1 model's logits."""
+    one = spawn(_llama_logits, 1, 1, timeout=120)[0]
+    two = spawn(_llama_logits, 2, 2, timeout=120)
+    assert "output_layer.weight" in one["names"]                       # untied
+    assert not any("position_embeddings" in n or n.endswith(".bias") for n in one["names"])  # rope, no biases
+    h, f = LLAMA_TINY.hidden, LLAMA_TINY.ffn
+    assert one["fc1"].shape == (2 * f, h)
+    assert not torch.equal(two[0]["fc1"], one["fc1"])                 # ranks' [gate; up] slices, interleaved
+    for r in two:
+        assert torch.allclose(r["logits"], one["logits"], atol=1e-12, rtol=0)
