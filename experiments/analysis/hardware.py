@@ -60,6 +60,7 @@ class Hardware:
     gemm: GemmModel
     collectives: CollectiveModel
     sources: dict[str, str]      # constant -> its source (datasheet, SOURCES row, or "measured by make calibrate on <host>, <date>")
+    compute_capability: int | None = None   # the GPU generation (70, 80, 90; attention.py's measured rates); None: a CPU
 
     @property
     def stream_bytes_per_s(self) -> float:
@@ -71,10 +72,10 @@ class Hardware:
 PROFILE_KEYS = ("peak_tflops", "sms", "gemm_ceiling", "hbm_gb_per_s", "hbm_fraction", "kernel_floor_us",
                 "gpus_per_node", "nvlink_links", "nvlink_link_gb_per_s", "inter_node_gbps", "nics_per_node",
                 "pcie_gb_per_s")
-PROFILES = ("dgx2_v100", "dgx2h_v100", "dgx_h100", "dgx_a100")
+PROFILES = ("dgx2_v100", "dgx2h_v100", "dgx_h100", "dgx_a100", "dgx_a100_800g")
 # which GPU generation (NCCL's per-architecture refinements, the GEMM tiles): conf key
 # compute_capability, else by name
-COMPUTE_CAPABILITY = {"dgx2_v100": 70, "dgx2h_v100": 70, "dgx_h100": 90, "dgx_a100": 80}
+COMPUTE_CAPABILITY = {"dgx2_v100": 70, "dgx2h_v100": 70, "dgx_h100": 90, "dgx_a100": 80, "dgx_a100_800g": 80}
 CONF_CLUSTER = Path(__file__).resolve().parents[2] / "conf" / "cluster"
 
 _V100 = {
@@ -150,9 +151,21 @@ SOURCES = {
     "dgx_a100.nics_per_node": "8 ConnectX-6 HDR NICs for the compute fabric: NVIDIA DGX A100 datasheet",
     "dgx_a100.pcie_gb_per_s": "24: PCIe gen4 x16, the width NCCL 2.14 assigns it (src/graph/topo.cc: 16 lanes x "
                               "16 GT/s -> 16 x 120 / 80 GB/s)",
+    # vTrain's multi-node cluster (results/external/vtrain_a100_multi_node.csv): dgx_a100's node
+    # (its constants' sources below), its own network
+    "dgx_a100_800g.inter_node_gbps": "800 per node: vTrain's config/validation/multi/*.json (VIA-Research/vTrain @ "
+                                     "f8dda847), inter_node_bandwidth: 800, 'Total bandwidth of inter-node "
+                                     "communication in Gbps' (src/config.py); the configs of its multi-node file's runs",
+    "dgx_a100_800g.nics_per_node": "4 [derived]: not stated; vTrain's simulator sends a point-to-point transfer at a "
+                                   "quarter of the node's bandwidth (src/predictor.py _compute_p2p_latency), one of four "
+                                   "200 Gb/s HDR NICs. 8 x 100 Gb/s predicts the multi-node file's rows the same to "
+                                   "0.1% (NCCL's bus is the node's bandwidth either way)",
     "nccl": "NCCL 2.7.8 (2020-07) cost model and constants, src/graph/tuning.cc (ncclTopoTuneModel, "
             "ncclTopoGetAlgoTime): experiments/analysis/nccl.py",
 }
+# dgx_a100_800g is dgx_a100's node (GPU, NVLink, PCIe) on vTrain's network
+SOURCES |= {f"dgx_a100_800g.{k}": SOURCES[f"dgx_a100.{k}"]
+            for k in PROFILE_KEYS if k not in ("inter_node_gbps", "nics_per_node")}
 
 
 def load_cluster(name: str) -> dict | None:
@@ -183,7 +196,8 @@ def from_cluster(cluster: dict | None) -> Hardware | None:
                          nics_per_node=cluster["nics_per_node"],
                          nic_gb_per_s=cluster["inter_node_gbps"] / 8 / cluster["nics_per_node"],
                          ll128=cc in (70, 80), compute_capability=cc),
-        sources={k: SOURCES[f"{name}.{k}"] for k in PROFILE_KEYS if f"{name}.{k}" in SOURCES} | {"collectives": SOURCES["nccl"]})
+        sources={k: SOURCES[f"{name}.{k}"] for k in PROFILE_KEYS if f"{name}.{k}" in SOURCES} | {"collectives": SOURCES["nccl"]},
+        compute_capability=cc)
 
 
 def profile(name: str) -> Hardware | None:
