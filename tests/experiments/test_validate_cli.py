@@ -195,7 +195,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     done = subprocess.run([sys.executable, "-m", "experiments.validate", str(other), "cluster=moon"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: cluster must be one of ['dgx2_v100', 'dgx2h_v100', 'dgx_h100', 'dgx_a100'], got 'moon'"]
+        "error: cluster must be one of ['dgx2_v100', 'dgx2h_v100', 'dgx_h100', 'dgx_a100', 'dgx_a100_800g'], "
+        "got 'moon'"]
 
 
 def test_the_development_set_files_are_read_from_results_external():
