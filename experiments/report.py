@@ -2,6 +2,7 @@
 
     python experiments/report.py                          # all records under results/runs -> results/reports/
     python experiments/report.py experiment=cpu_default   # one experiment's records -> results/reports/cpu_default/
+    python experiments/report.py only=dev_set             # the development set's validation tables alone
 
 Writes Markdown, CSV and LaTeX tables and PNG + SVG figures under `out_dir` (results/reports/),
 or its subfolder named after the experiment when one is given, so a one-experiment report never
@@ -27,7 +28,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.reports import figures, gemm_check, prediction_check, scorecard, tables, validation, zero_r
+from experiments.reports import dev_set, figures, gemm_check, prediction_check, scorecard, tables, validation, zero_r
 from experiments.reports.tables import format_number
 from experiments.cli import preflight_or_exit
 from experiments.commands import script_command
@@ -51,7 +52,9 @@ def model_tables() -> dict[str, pd.DataFrame]:
             "validation": validation.validation_table(), "validation_summary": validation.validation_summary(),
             "validation_out_of_scope": validation.out_of_scope_table(),
             "validation_host_constants": validation.host_constants_table(),
-            "validation_layer_slopes": validation.layer_slopes_table(), "nccl_check": validation.nccl_check()}
+            "validation_layer_slopes": validation.layer_slopes_table(), "nccl_check": validation.nccl_check(),
+            # each development-set file scored with its host constants left one source out (reports/dev_set.py)
+            **dev_set.dev_set_tables()}
 
 
 def record_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
@@ -168,12 +171,18 @@ def write_reports(records: list[dict], out_dir: Path, experiment: str | None = N
     return written
 
 
+# only=NAME: the tables written alone (no records read, no figures), into out_dir
+ONLY: dict[str | None, Callable[[], dict[str, pd.DataFrame]] | None] = {None: None, "dev_set": dev_set.dev_set_tables}
+
+
 def _records_dir(cfg: DictConfig) -> tuple[Path, str | None]:
     experiment = cfg.experiment.name if cfg.get("experiment") else None
     return Path(cfg.results_dir), experiment
 
 
 def _validate(cfg: DictConfig, remote: bool) -> None:
+    if cfg.get("only") not in ONLY:
+        raise ConfigError(f"only must be one of {[k for k in ONLY if k]} (or unset), got {cfg.only!r}")
     results, experiment = _records_dir(cfg)
     if experiment and not (results / experiment).is_dir():
         raise ConfigError(f"no records for experiment {experiment!r} under {results} "
@@ -182,6 +191,11 @@ def _validate(cfg: DictConfig, remote: bool) -> None:
 
 @hydra.main(config_path="../conf", config_name="report", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    if cfg.get("only"):   # some of the model's tables alone, no records read
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        written = write_tables(ONLY[cfg.only](), Path(cfg.out_dir))
+        print(f"only={cfg.only}: {len(written)} files in {cfg.out_dir}")
+        return
     results, experiment = _records_dir(cfg)
     records = load_records(results, experiment)
     out_dir = Path(cfg.out_dir) / experiment if experiment else Path(cfg.out_dir)

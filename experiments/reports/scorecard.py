@@ -8,7 +8,7 @@ reports folder): Table 1 and 2's formulas, the claims table (predictions.paper_c
 searched largest models (tables.largest_table), the simulated points (tables.simulation_table),
 Figure 7's statements (zero_r.fig7_statements), the step-time model's targets
 (predictions.targets_table) and its checks against measurements (measured_steps_table,
-gemm_check). A row whose records are not in the set says so instead of a number.
+gemm_check, and one line per development-set file: dev_set.scorecard_rows). A row whose records are not in the set says so instead of a number.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pandas as pd
 
 from experiments.analysis.systems import SYSTEMS
 from experiments.commands import script_command
-from experiments.reports import gemm_check, predictions, tables, validation, zero_r
+from experiments.reports import dev_set, gemm_check, predictions, tables, validation, zero_r
 
 # How ours was obtained, by the claims table's kind.
 HOW = {"formula": "formula", "measured (CPU)": "measured on CPU", "simulated": "simulated at full world size",
@@ -161,4 +161,5 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
                    f"layer timed on a CPU ({timed['layer_ms']:.3f} ms), "
                    f"{'within' if timed['passes'] else 'outside'} {validation.HOST_TIME_PLAUSIBLE_FACTOR}x", HOW["predicted"],
                  "validation_summary.md, validation.md, validation_host_constants.md"))
+    rows += dev_set.scorecard_rows()   # each development-set file, its host constants left one source out
     return pd.DataFrame(rows, columns=list(COLUMNS))
