@@ -16,7 +16,8 @@ from pathlib import Path
 import yaml
 
 from experiments.analysis.hardware import COLLECTIVE_KINDS, Hardware, from_cluster
-from experiments.analysis.kernels import LayerShape, step_kernels
+from experiments.analysis.kernels import LayerShape
+from experiments.analysis.layers import step_kernels
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "results" / "calibration"
 NEAREST = 4  # table entries an off-table GEMM is interpolated from

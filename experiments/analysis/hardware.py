@@ -72,10 +72,11 @@ class Hardware:
 PROFILE_KEYS = ("peak_tflops", "sms", "gemm_ceiling", "hbm_gb_per_s", "hbm_fraction", "kernel_floor_us",
                 "gpus_per_node", "nvlink_links", "nvlink_link_gb_per_s", "inter_node_gbps", "nics_per_node",
                 "pcie_gb_per_s")
-PROFILES = ("dgx2_v100", "dgx2h_v100", "dgx_h100", "dgx_a100", "dgx_a100_800g")
+PROFILES = ("dgx2_v100", "dgx2h_v100", "dgx_h100", "dgx_a100", "dgx_a100_800g", "dgx_a100_40gb")
 # which GPU generation (NCCL's per-architecture refinements, the GEMM tiles): conf key
 # compute_capability, else by name
-COMPUTE_CAPABILITY = {"dgx2_v100": 70, "dgx2h_v100": 70, "dgx_h100": 90, "dgx_a100": 80, "dgx_a100_800g": 80}
+COMPUTE_CAPABILITY = {"dgx2_v100": 70, "dgx2h_v100": 70, "dgx_h100": 90, "dgx_a100": 80, "dgx_a100_800g": 80,
+                      "dgx_a100_40gb": 80}
 CONF_CLUSTER = Path(__file__).resolve().parents[2] / "conf" / "cluster"
 
 _V100 = {
@@ -168,6 +169,12 @@ SOURCES = {
 # dgx_a100_800g is dgx_a100's node (GPU, NVLink, PCIe) on vTrain's network
 SOURCES |= {f"dgx_a100_800g.{k}": SOURCES[f"dgx_a100.{k}"]
             for k in PROFILE_KEYS if k not in ("inter_node_gbps", "nics_per_node")}
+# dgx_a100_40gb is dgx_a100 with the 40 GB part's memory (llm-foundry's A100 40GB rows)
+SOURCES |= {f"dgx_a100_40gb.{k}": SOURCES[f"dgx_a100.{k}"] for k in PROFILE_KEYS if k != "hbm_gb_per_s"}
+SOURCES["dgx_a100_40gb.hbm_gb_per_s"] = "1555: NVIDIA A100 40 GB SXM datasheet (HBM2, 1,555 GB/s)"
+SOURCES["dgx_a100_40gb.inter_node_gbps"] = ("1600 per node: llm-foundry's benchmark table's section title, 'A100 40GB "
+                                            "with 1600 Gbps node-node interconnect (RoCE)'; 8 NICs [assumption: as a "
+                                            "DGX A100's]")
 
 
 def load_cluster(name: str) -> dict | None:

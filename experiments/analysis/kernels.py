@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from experiments.analysis.attention import AttentionCall
 from experiments.analysis.hardware import Hardware
 
 MASK_BYTES = 1  # a dropout mask element (torch's bool/uint8)
@@ -52,11 +53,17 @@ class Kernel:
     # > 0: not a kernel but where the layer calls a TP all-reduce of this many bytes (count 0:
     # no launch, no bytes of its own; step_time.host_windows prices it in issue order)
     all_reduce_bytes: float = 0.0
+    # a fused attention kernel: its FLOPs run at the rate its authors measured (attention.py)
+    attention: AttentionCall | None = None
 
     def times(self, hw: Hardware, scalar_half_load_fraction: float = 1.0) -> tuple[float, float]:
         """(device seconds, floor seconds): max(FLOP time, byte time), count x the floor; a
-        kernel with scalar half loads streams at that fraction of the hardware's rate."""
-        flop_s = self.flops / (hw.peak_flops * hw.gemm.efficiency(*self.gemm)) if self.gemm else 0.0
+        kernel with scalar half loads streams at that fraction of the hardware's rate; a fused
+        attention kernel's FLOPs at its measured rate on hw's GPU."""
+        if self.attention:
+            flop_s = self.flops / self.attention.flops_per_s(hw)
+        else:
+            flop_s = self.flops / (hw.peak_flops * hw.gemm.efficiency(*self.gemm)) if self.gemm else 0.0
         stream = hw.stream_bytes_per_s * (scalar_half_load_fraction if self.scalar_half_loads else 1.0)
         return max(flop_s, self.bytes / stream), self.count * hw.kernel_floor_s
 
@@ -86,17 +93,39 @@ class LayerShape:
     tp: int
     vocab: int           # padded, whole (the logits GEMM gets vocab / tp columns)
     element_bytes: int
+    # the block's options (torch_block.py reads them; Megatron's layers above are GPT-2's):
+    ffn_hidden: int = 0          # the MLP's width; 0: 4 x hidden
+    kv_heads: int = 0            # key/value heads (grouped-query attention); 0: heads
+    bias: bool = True            # biases in the linear layers
+    swiglu: bool = False         # a gated SiLU MLP (fc1 2 x ffn_hidden wide) instead of GeLU
+    rmsnorm: bool = False        # RMSNorm instead of LayerNorm
+    rotary: bool = False         # rotary positions (applied to q and k) instead of a learned table
+    tied: bool = True            # the logits reuse the word embedding
+    attention: str = "unfused"   # "unfused" or a fused kernel of attention.IMPLEMENTATIONS
+    fused_loss: bool = False     # a fused cross-entropy kernel (flash-attn's xentropy) instead of torch's
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
 
     @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
     def scores(self) -> int:
         return self.micro_batch * self.heads // self.tp * self.seq_len ** 2
 
 
-def _gemm_pair(name: str, m: int, n: int, k: int, e: int, batch: int = 1) -> list[Kernel]:
+def gemm_pair(name: str, m: int, n: int, k: int, e: int, batch: int = 1) -> list[Kernel]:
     """The backward of Y = X W (m x k @ k x n): dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m)."""
     return [gemm(f"{name} dgrad", m, k, n, e, batch), gemm(f"{name} wgrad", k, n, m, e, batch)]
 
@@ -145,16 +174,16 @@ def layer_backward(x: LayerShape) -> list[Kernel]:
         elementwise("residual grad add", rep, 2, 1, e),
         elementwise("dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
         elementwise("MLP down bias grad", rep, 1, 0, e),
-        *_gemm_pair("MLP down", T, h, 4 * h // t, e),
+        *gemm_pair("MLP down", T, h, 4 * h // t, e),
         elementwise("GeLU bwd", ffn, 2, 1, e),
         elementwise("MLP up bias grad", ffn, 1, 0, e),
-        *_gemm_pair("MLP up", T, 4 * h // t, h, e),
+        *gemm_pair("MLP up", T, 4 * h // t, h, e),
         elementwise("layernorm 2 bwd", rep, 2, 1, e, torch_kernel=False),
         elementwise("layernorm 2 weight grads", rep, 2, 0, e, torch_kernel=False),
         elementwise("residual grad add", rep, 2, 1, e),
         elementwise("dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
         elementwise("projection bias grad", rep, 1, 0, e),
-        *_gemm_pair("projection", T, h, h // t, e),
+        *gemm_pair("projection", T, h, h // t, e),
         elementwise("context permute copy bwd", part, 1, 1, e),
         gemm("context dP", s, s, d, e, batch),
         gemm("context dV", s, d, s, e, batch),
@@ -166,7 +195,7 @@ def layer_backward(x: LayerShape) -> list[Kernel]:
         elementwise("q, k scaling bwd", 2 * part, 1, 1, e, count=2),
         elementwise("q, k, v permute copies bwd", 3 * part, 1, 1, e, count=3),
         elementwise("QKV bias grad", 3 * part, 1, 0, e),
-        *_gemm_pair("QKV", T, 3 * h // t, h, e),
+        *gemm_pair("QKV", T, 3 * h // t, h, e),
         elementwise("layernorm 1 bwd", rep, 2, 1, e, torch_kernel=False),
         elementwise("layernorm 1 weight grads", rep, 2, 0, e, torch_kernel=False),
     ]
@@ -196,7 +225,7 @@ def head_backward(x: LayerShape) -> list[Kernel]:
         # the target's one-hot subtracted in place (T elements, a floor), times the loss gradient
         # (8 bytes fp32), down-cast (4 in, e out)
         elementwise("cross entropy bwd (fp32)", logits, 0, 0, e, extra_bytes=logits * (8 + 4 + e), count=3, torch_kernel=False),
-        *_gemm_pair("logits", T, x.vocab // t, h, e),
+        *gemm_pair("logits", T, x.vocab // t, h, e),
         elementwise("final layernorm bwd", rep, 2, 1, e, torch_kernel=False),
         elementwise("final layernorm weight grads", rep, 2, 0, e, torch_kernel=False),
         elementwise("embedding dropout bwd", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
@@ -303,16 +332,16 @@ def layer_backward_fused(x: LayerShape) -> list[Kernel]:
     return [
         elementwise("bias, dropout, residual bwd (masked grad)", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
         elementwise("MLP down bias grad (sum)", rep, 1, 0, e),
-        *_gemm_pair("MLP down", T, h, 4 * h // t, e),
+        *gemm_pair("MLP down", T, h, 4 * h // t, e),
         elementwise("bias, GeLU bwd (jit)", ffn, 2, 1, e),
         elementwise("MLP up bias grad (sum)", ffn, 1, 0, e),
-        *_gemm_pair("MLP up", T, 4 * h // t, h, e),
+        *gemm_pair("MLP up", T, 4 * h // t, h, e),
         *tp_all_reduce("TP all-reduce: MLP input grad", x, rep * e),
         elementwise("layernorm 2 bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
         elementwise("residual grad add", rep, 2, 1, e),
         elementwise("bias, dropout, residual bwd (masked grad)", rep, 1, 1, e, extra_bytes=rep * MASK_BYTES),
         elementwise("projection bias grad (sum)", rep, 1, 0, e),
-        *_gemm_pair("projection", T, h, h // t, e),
+        *gemm_pair("projection", T, h, h // t, e),
         elementwise("context permute copy bwd", part, 1, 1, e),
         gemm("context dP", s, s, d, e, batch),
         gemm("context dV", s, d, s, e, batch),
@@ -323,7 +352,7 @@ def layer_backward_fused(x: LayerShape) -> list[Kernel]:
         elementwise("baddbmm's alpha on dQ, dK", 2 * part, 1, 1, e, count=2),
         elementwise("QKV split grad (cat)", 3 * part, 1, 1, e),
         elementwise("QKV bias grad (sum)", 3 * part, 1, 0, e),
-        *_gemm_pair("QKV", T, 3 * h // t, h, e),
+        *gemm_pair("QKV", T, 3 * h // t, h, e),
         *tp_all_reduce("TP all-reduce: QKV input grad", x, rep * e),
         elementwise("layernorm 1 bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
         elementwise("residual grad add", rep, 2, 1, e),
@@ -365,7 +394,7 @@ def head_backward_fused(x: LayerShape) -> list[Kernel]:
         Kernel("loss mask bwd", bytes=T * 12.0, count=3),
         # softmax minus the one-hot (in place, 8), times the loss gradient (8), down-cast (4 in, e out)
         elementwise("cross entropy bwd (fp32)", logits, 0, 0, e, extra_bytes=logits * (8 + 8 + 4 + e), count=5, torch_kernel=False),
-        *_gemm_pair("logits", T, x.vocab // t, h, e),
+        *gemm_pair("logits", T, x.vocab // t, h, e),
         *tp_all_reduce("TP all-reduce: logits input grad", x, rep * e),
         elementwise("final layernorm bwd (apex, 3 kernels)", rep, 2, 1, e, extra_bytes=rep * e, count=3, torch_kernel=False),
         elementwise("transpose bwd", rep, 1, 1, e),
@@ -376,21 +405,6 @@ def head_backward_fused(x: LayerShape) -> list[Kernel]:
         elementwise("LocalDDP hooks on the embeddings and final layernorm", x.vocab // t * h + x.seq_len * h,
                     2, 1, e, count=4),
     ]
-
-
-# the layer and head kernel lists by code base (System.layer)
-LAYERS = {"megatron2019": (layer_forward, layer_backward, head_forward, head_backward),
-          "megatron_ds2023": (layer_forward_fused, layer_backward_fused, head_forward_fused, head_backward_fused)}
-
-
-def step_kernels(x: LayerShape, layers: int, recompute: bool, layer: str = "megatron2019") -> dict[str, list[tuple[Kernel, int]]]:
-    """One micro-batch's kernels by phase, each with how many times it runs: forward, the
-    recomputed forward (empty without recomputation), backward; `layer`: whose code (LAYERS)."""
-    forward, backward, head_fwd, head_bwd = LAYERS[layer]
-    fwd, bwd = forward(x), backward(x)
-    return {"forward": [(k, layers) for k in fwd] + [(k, 1) for k in head_fwd(x)],
-            "recompute": [(k, layers) for k in fwd] if recompute else [],
-            "backward": [(k, layers) for k in bwd] + [(k, 1) for k in head_bwd(x)]}
 
 
 @dataclass(frozen=True)

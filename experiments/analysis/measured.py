@@ -53,11 +53,23 @@ THROUGHPUT_INTS = ("gpus", "layers", "hidden", "heads", "vocab", "seq_len", "mic
 THROUGHPUT_TEXT = ("source", "gpu", "sharding", "precision", "activation_checkpointing",
                    "measured_tokens_per_s_per_gpu")
 # read when present: an empty cell or missing column takes the default (kv_heads: heads, ffn_hidden: 4 x hidden)
-THROUGHPUT_OPTIONAL = ("kv_heads", "ffn_hidden", "dp", "cp", "activation_cpu_offload", "measured_tokens_per_s_total")
+THROUGHPUT_OPTIONAL = ("kv_heads", "ffn_hidden", "dp", "cp", "activation_cpu_offload", "measured_tokens_per_s_total",
+                       "mixed_precision_mode")
 # FSDP's sharding strategies as ZeRO stages (the compilation names them inside longer text)
 SHARDING_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
 # a throughput row's GPU -> the profile of its machine (the A100 40 GB has no profile: dgx_a100 is the 80 GB SXM)
-GPU_CLUSTERS = {"A100 80GB": "dgx_a100", "H100 80GB": "dgx_h100"}
+GPU_CLUSTERS = {"A100 80GB": "dgx_a100", "A100 40GB": "dgx_a100_40gb", "H100 80GB": "dgx_h100"}
+# a throughput row's source -> the system that models its stack, and its model's block as the
+# source builds it (the file has no columns for these): llm-foundry's benchmark MPT keeps its
+# config's defaults, biases on (no_bias: False; its pretrain yamls do not set it), learned
+# positions, GeLU, (low-precision) LayerNorm, the logits on the tied word embedding
+# (llmfoundry/models/mpt/configuration_mpt.py, modeling_mpt.py @ b2a43a14)
+SOURCE_SYSTEMS = {"llm-foundry": "llm_foundry_fsdp1"}
+SOURCE_MODELS = {"llm-foundry": {"bias": True, "position": "learned", "mlp": "gelu", "norm": "layernorm",
+                                 "tie_embeddings": True}}
+# FSDP's mixed-precision mode (the row's mixed_precision_mode names it) -> bytes of a reduced
+# gradient element: Composer's PURE reduces in bf16, DEFAULT in fp32
+REDUCE_BYTES = {"PURE": 2, "DEFAULT": 4}
 # the sequence-length bands of the summary: the development set's lengths are 512-2,048,
 # 4,096-8,192 and 16,384-65,536; a length between two bands falls in the upper one
 SEQ_BANDS = ((2048, "<=2k"), (8192, "4-8k"), (float("inf"), ">=16k"))
@@ -246,6 +258,7 @@ def throughput_row(text: dict) -> dict:
     row["dp"] = _cell(text, "dp", int) if "dp" in given else row["gpus"] // (row["tp"] * row["pp"] * row["cp"])
     row["activation_cpu_offload"] = "activation_cpu_offload" in given and _cell(text, "activation_cpu_offload", bool)
     row["recompute"] = _cell(text, "activation_checkpointing", bool)
+    row["mixed_precision_mode"] = text.get("mixed_precision_mode", "")
     if row["measured_tokens_per_s_per_gpu"] or "measured_tokens_per_s_total" not in given:
         row["tokens_per_s_per_gpu"] = _cell(text, "measured_tokens_per_s_per_gpu", float)
     else:
@@ -257,10 +270,6 @@ def _throughput_refusal(row: dict) -> str | None:
     """Why the model cannot express a throughput row beyond its layout, or None."""
     if row["cp"] > 1:
         return "context parallelism > 1: not modelled"
-    if row["kv_heads"] != row["heads"]:
-        return "shape: grouped-query attention (kv_heads < heads): not modelled"
-    if row["ffn_hidden"] != 4 * row["hidden"]:
-        return "shape: an MLP width other than 4 x hidden: not modelled"
     if row["activation_cpu_offload"]:
         return "activation CPU offload: not modelled"
     if row["precision"].removeprefix("amp_") not in st.PRECISION_BYTES:
@@ -283,19 +292,21 @@ def _throughput_outcome(index: int, text: dict, system: str | None, cluster: str
     if why:
         return _refused(base, why)
     stage = next(stage for name, stage in SHARDING_STAGES.items() if name in row["sharding"])
-    if system is None:
-        who = "llm-foundry" if "llm-foundry" in row["source"] else row["source"] or "this source"
-        return _refused(base, f"no system for {who}'s FSDP yet "
-                              "(system=zero_repro predicts this engine at the row's ZeRO stage)")
+    source = next((name for name in SOURCE_SYSTEMS if name in row["source"]), None)
+    if system is None and source is None:
+        return _refused(base, f"no system models {row['source'] or 'this source'}'s stack "
+                              "(system= names one: zero_repro predicts this engine at the row's ZeRO stage)")
     if cluster is None and row["gpu"] not in GPU_CLUSTERS:
         return _refused(base, f"no step-time profile for GPU {row['gpu']!r} (give cluster= to predict on one)")
     model = {"layers": row["layers"], "hidden": row["hidden"], "heads": row["heads"], "seq_len": row["seq_len"],
-             "vocab_size": row["vocab"]}
+             "vocab_size": row["vocab"], "ffn_hidden": row["ffn_hidden"], "kv_heads": row["kv_heads"],
+             **SOURCE_MODELS.get(source, {})}
+    mode = next((bytes_ for name, bytes_ in REDUCE_BYTES.items() if name in row["mixed_precision_mode"]), None)
     x = st.StepInputs(**st.shape_inputs(model, row["tp"]), micro_batch=row["micro_batch"], tp=row["tp"],
                       dp=row["dp"], stage=stage, recompute=row["recompute"],
                       grad_accum=row["global_batch"] // (row["micro_batch"] * row["dp"]),
-                      element_bytes=st.PRECISION_BYTES[row["precision"].removeprefix("amp_")])
-    return _predicted(base, x, system, cluster or GPU_CLUSTERS[row["gpu"]])
+                      element_bytes=st.PRECISION_BYTES[row["precision"].removeprefix("amp_")], reduce_bytes=mode)
+    return _predicted(base, x, system or SOURCE_SYSTEMS[source], cluster or GPU_CLUSTERS[row["gpu"]])
 
 
 def predict_file(path: str | Path, system: str | System | None = None,

@@ -53,13 +53,14 @@ from math import ceil
 
 from experiments.analysis.flops import model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
-from experiments.analysis.kernels import ATTENTION_DROPOUT, LAYERS, ComputeTime, LayerShape, compute_time, step_kernels
+from experiments.analysis.kernels import ATTENTION_DROPOUT, ComputeTime, LayerShape, compute_time
+from experiments.analysis.layers import LAYERS, step_kernels
 from experiments.analysis.nccl import Nccl, concurrent_groups
 from experiments.analysis.systems import (RNG_STATE_BYTES, RNG_STATE_COPIES, SYSTEMS, DpPlan, System, dp_plan,
                                           optimizer_bytes_per_param, parameter_tensors, record_plan)
 
-TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "pa", "offload",
-         "optimizer")
+TERMS = ("compute_gemm", "compute_memory_bound", "kernel_floors", "tp_comm", "dp_comm_exposed", "overlap_contention",
+         "pa", "offload", "optimizer")
 PRECISION_BYTES = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2, "auto": 2}  # auto: half precision on GPUs
 TP_ALLREDUCES_PER_LAYER = {True: 6, False: 4}  # with / without recomputation (Megatron's f and g)
 LOSS_FLOATS_ALLREDUCED = 3                     # vocab-parallel cross entropy: max, sum of exp, target logit
@@ -88,14 +89,27 @@ class StepInputs:
     pa: bool = False            # ZeRO-R partitioned activation checkpoints
     pa_cpu: bool = False        # ... offloaded to the host
     engine_counts: dict | None = None  # a record's comm.by_purpose: replaces the system's DP formula
+    # the block's shape options (kernels.LayerShape; a system with the torch_block layer reads them)
+    ffn_hidden: int = 0         # 0: 4 x hidden
+    kv_heads: int = 0           # 0: heads
+    bias: bool = True
+    swiglu: bool = False
+    rmsnorm: bool = False
+    rotary: bool = False
+    tied: bool = True
+    attention: str | None = None     # "unfused" or attention.IMPLEMENTATIONS; None: the system's
+    reduce_bytes: int | None = None  # bytes per gradient element reduced (FSDP's reduce dtype); None: element_bytes
 
     @property
     def gpus(self) -> int:
         return self.tp * self.dp
 
-    def shape(self) -> LayerShape:
+    def shape(self, attention: str = "unfused", fused_loss: bool = False) -> LayerShape:
+        """The per-GPU shape; `attention` and `fused_loss`: the system's kernels (the point's
+        attention where it names one)."""
         return LayerShape(self.micro_batch, self.seq_len, self.hidden, self.heads, self.tp, self.vocab,
-                          self.element_bytes)
+                          self.element_bytes, self.ffn_hidden, self.kv_heads, self.bias, self.swiglu, self.rmsnorm,
+                          self.rotary, self.tied, self.attention or attention, fused_loss)
 
 
 @dataclass(frozen=True)
@@ -166,9 +180,30 @@ def half_load_fraction(x: StepInputs, system: str | System | None) -> float:
 def micro_batch_compute(x: StepInputs, hw: Hardware, system: str | System | None = None) -> dict[str, ComputeTime]:
     """One micro-batch's kernels by phase (forward, recompute, backward), as `system` runs them."""
     fraction = half_load_fraction(x, system)
-    layer = "megatron2019" if system is None else resolve_system(system).layer
+    layer, shape = layer_shape(x, system)
     return {phase: compute_time(kernels, hw, fraction)
-            for phase, kernels in step_kernels(x.shape(), x.layers, x.recompute, layer).items()}
+            for phase, kernels in step_kernels(shape, x.layers, x.recompute, layer).items()}
+
+
+def layer_shape(x: StepInputs, system: str | System | None) -> tuple[str, LayerShape]:
+    """Whose layer `system` runs (layers.LAYERS; Megatron-LM 2019's with no system) and x's
+    per-GPU shape with the attention kernel the point or else the system names."""
+    if system is None:
+        layer, shape = "megatron2019", x.shape()
+    else:
+        sys = resolve_system(system)
+        layer, shape = sys.layer, x.shape(sys.attention, sys.fused_loss)
+    if layer != "torch_block" and not gpt2_block(shape):   # Megatron's lists are GPT-2's block only
+        layer = "torch_block"
+    return layer, shape
+
+
+def gpt2_block(shape: LayerShape) -> bool:
+    """Whether the shape is GPT-2's block (Megatron's kernel lists); another (no biases, a gated
+    MLP, GQA, RMSNorm, rotary positions, an untied output layer, an MLP other than 4h) is priced
+    with torch_block's list."""
+    return (shape.bias and not shape.swiglu and not shape.rmsnorm and not shape.rotary and shape.tied
+            and shape.ffn == 4 * shape.hidden and shape.kv == shape.heads)
 
 
 def tp_allreduce_s(x: StepInputs, hw: Hardware) -> float:
@@ -292,8 +327,10 @@ def optimizer_s(x: StepInputs, hw: Hardware, system: str | System | None = None)
 
 def root_elements(x: StepInputs) -> float:
     """The parameters one TP rank holds outside the layers (stage 3's root unit): its 1/t of the
-    word embeddings, the position embeddings and the final layernorm."""
-    return x.vocab * x.hidden / x.tp + x.seq_len * x.hidden + 2 * x.hidden
+    word embeddings (and of an untied output layer), the learned position embeddings and the
+    final norm."""
+    words = x.vocab * x.hidden / x.tp * (1 if x.tied else 2)
+    return words + (0 if x.rotary else x.seq_len * x.hidden) + (1 if x.rmsnorm or not x.bias else 2) * x.hidden
 
 
 def plan(x: StepInputs, system: str | System) -> DpPlan:
@@ -302,7 +339,7 @@ def plan(x: StepInputs, system: str | System) -> DpPlan:
         return record_plan(sys, x.engine_counts, x.stage, x.grad_accum, x.element_bytes, x.psi, x.layers)
     return dp_plan(sys, psi=x.psi, dp=x.dp, stage=x.stage, layers=x.layers, element_bytes=x.element_bytes,
                    grad_accum=x.grad_accum, reduce_bucket=x.reduce_bucket, allgather_bucket=x.allgather_bucket,
-                   root=min(root_elements(x), x.psi))
+                   root=min(root_elements(x), x.psi), reduce_bytes=x.reduce_bytes)
 
 
 def hideable(hw: Hardware, calls: tuple[tuple[str, float], ...], seconds: list[float],
@@ -318,6 +355,20 @@ def hideable(hw: Hardware, calls: tuple[tuple[str, float], ...], seconds: list[f
         hidden.append(h * t)
         core += (1.0 - h) * t
     return hidden, core
+
+
+def sm_share(hw: Hardware, group: tuple[int, int, int]) -> float:
+    """The fraction of the GPU's SMs a collective over `group` occupies while it runs: NCCL runs
+    one CUDA block, on one SM, per channel ("reducing the number of channels also reduces the
+    number of CUDA blocks used for communication, hence the impact on GPU computing resources":
+    NCCL user guide, NCCL_MAX_NCHANNELS), nChannels as NCCL's tuner has them (nccl.Nccl.bus);
+    0 where the collectives are not NCCL's (a calibrated CPU host measures its own overlap)."""
+    ranks, per_node, concurrent = group
+    sms = getattr(hw.gemm, "sms", None)
+    if ranks <= 1 or sms is None or not isinstance(hw.collectives, Nccl):
+        return 0.0
+    nodes = ceil(ranks / max(1, min(ranks, per_node)))
+    return min(1.0, hw.collectives.bus(ranks, nodes, max(1, concurrent))[1] / sms)
 
 
 def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str, ComputeTime]) -> dict[str, float]:
@@ -340,16 +391,26 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str,
     if gathers:   # stage 3: gathers prefetched and gradients reduced under the micro-batch's compute
         hidden_under = micro if overlap else micro - backward
         exposed_grads = sum(grads) if not overlap else core_grads
-        per_micro = exposed_grads + core_gathers + max(
-            hid_gathers[0] + (hid_grads[-1] if overlap and grads else 0.0),
-            sum(hid_gathers) + (sum(hid_grads) if overlap else 0.0) - hidden_under)
+        under = sum(hid_gathers) + (sum(hid_grads) if overlap else 0.0)
+        first_last = hid_gathers[0] + (hid_grads[-1] if overlap and grads else 0.0)
+        per_micro = exposed_grads + core_gathers + max(first_last, under - hidden_under)
+        overlapped = min(under - first_last, hidden_under)
     else:
         per_micro = (core_grads + max(hid_grads[-1], sum(hid_grads) - backward) if overlap else sum(grads)) \
             if grads else 0.0
+        overlapped = min(sum(hid_grads) - hid_grads[-1], backward) if overlap and grads else 0.0
+    if after_calls and sys.param_gather_overlap and overlap:
+        overlapped_after = min(sum(hid_after) - hid_after[0], phases["forward"].total_s)
+    else:
+        overlapped_after = 0.0
     reductions = p.grad_reductions if (grads or gathers) else 0
+    # compute under a collective runs on the SMs NCCL leaves it: (1 - share) of its rate while
+    # they overlap, so the step is longer by the overlapped seconds x the share (sm_share)
+    share = sm_share(hw, group)
+    contention = share * (max(0.0, overlapped) * reductions + max(0.0, overlapped_after))
     return {"grad_s": sum(grads) * p.grad_reductions, "param_s": after + sum(gathers) * x.grad_accum,
             "exposed_s": per_micro * reductions + exposed_after, "after_step_s": after,
-            "after_step_exposed_s": exposed_after,
+            "after_step_exposed_s": exposed_after, "contention_s": contention, "sm_share": share,
             "copy": ComputeTime(memory_bound_s=p.copy_bytes / (hw.stream_bytes_per_s * half_load_fraction(x, system))
                                 * p.grad_reductions,
                                 floors_s=p.copy_kernels * hw.kernel_floor_s * p.grad_reductions)}
@@ -386,10 +447,12 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str | System = "zero
                    "host_s_per_kernel": sys.host_s_per_kernel, "host_s_per_collective": sys.host_s_per_collective}
     terms = {"compute_gemm": g * micro.gemm_s, "compute_memory_bound": g * micro.memory_bound_s + dp["copy"].memory_bound_s,
              "kernel_floors": floors + dp["copy"].floors_s, "tp_comm": g * tp_comm_s(x, hw),
-             "dp_comm_exposed": dp["exposed_s"], "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
+             "dp_comm_exposed": dp["exposed_s"], "overlap_contention": dp["contention_s"],
+             "pa": g * pa_s(x, hw), "offload": g * offload_s(x, hw),
              "optimizer": optimizer_s(x, hw, sys)}
     details |= {"dp_grad_s": dp["grad_s"], "dp_param_s": dp["param_s"],
                 "dp_param_after_step_s": dp["after_step_s"], "dp_param_after_step_exposed_s": dp["after_step_exposed_s"],
+                "dp_sm_share": dp["sm_share"],
                 "recompute": x.recompute,
                 "kernel_flops_per_gpu": g * micro.flops, "tp_group": tp_group(x, hw), "dp_group": dp_group(x, hw)}
     return StepTime(terms=terms, flops_per_gpu=flops_per_gpu(x), hardware=hw.name, system=sys.name, details=details)
@@ -397,11 +460,16 @@ def predict(inputs: StepInputs, hardware: Hardware, system: str | System = "zero
 
 # -- from the suite's points and records ------------------------------------------------------
 def shape_inputs(model: dict, tp: int) -> dict:
-    """A model config's shape fields: padded vocab and parameters per TP rank as megatron builds them."""
+    """A model config's shape fields (the GPT-2 defaults where it has no key: an older record):
+    padded vocab and parameters per TP rank as megatron builds them, and the block's options."""
     from experiments.models.gpt_shape import GPTShape, padded_vocab_size, parameters_per_tp_rank
-    shape = GPTShape(model["layers"], model["hidden"], model["heads"], model["seq_len"], model["vocab_size"])
+    options = {k: model[k] for k in ("ffn_hidden", "kv_heads", "bias", "position", "mlp", "norm", "tie_embeddings")
+               if model.get(k) is not None}
+    shape = GPTShape(model["layers"], model["hidden"], model["heads"], model["seq_len"], model["vocab_size"], **options)
     return {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len,
-            "vocab": padded_vocab_size(shape.vocab_size, tp), "psi": float(parameters_per_tp_rank(shape, tp))}
+            "vocab": padded_vocab_size(shape.vocab_size, tp), "psi": float(parameters_per_tp_rank(shape, tp)),
+            "ffn_hidden": shape.ffn, "kv_heads": shape.query_groups, "bias": shape.bias, "swiglu": shape.mlp == "swiglu",
+            "rmsnorm": shape.norm == "rmsnorm", "rotary": shape.position != "learned", "tied": shape.tie_embeddings}
 
 
 def inputs_from_point(point, *, overlap: bool | None = None, pa: bool = False, pa_cpu: bool = False) -> StepInputs:
@@ -465,10 +533,10 @@ def kernel_table(x: StepInputs, hw: Hardware, system: str | System | None = None
     """One layer's and the head's kernels at x's per-GPU shape, with FLOPs, bytes and times on hw
     as `system` runs them (a TP all-reduce call: its buffer and NCCL's time over the TP group)."""
     rows, fraction = [], half_load_fraction(x, system)
-    layer = "megatron2019" if system is None else resolve_system(system).layer
+    layer, shape = layer_shape(x, system)
     if system is not None:
         hw = system_hardware(hw, system)
-    for phase, kernels in step_kernels(x.shape(), 1, x.recompute, layer).items():
+    for phase, kernels in step_kernels(shape, 1, x.recompute, layer).items():
         for kernel, _ in kernels:
             device, floor = kernel.times(hw, fraction)
             if kernel.all_reduce_bytes:

@@ -67,7 +67,7 @@ class System:
     grad_copies_without_dp: bool = False  # the gradient copies run at DP 1 too
     # the fraction of the streaming rate its torch's fp16 kernels reach (kernels.py): scalar loads
     scalar_half_load_fraction: float = 1.0
-    layer: str = "megatron2019"          # whose layer and head kernels (kernels.LAYERS)
+    layer: str = "megatron2019"          # whose layer and head kernels (layers.LAYERS)
     nccl: str = "2.7.8"                  # the NCCL release of its stack (nccl.VERSIONS)
     # the host model (step_time.host_windows): seconds the host spends per kernel it issues and
     # per collective call, the GPU running ahead of it between host syncs; None: each kernel
@@ -85,6 +85,13 @@ class System:
     # stage 3 keeps the root unit (what is not a layer: embeddings, final layernorm) gathered from
     # the end of forward to its backward: one gather of it a micro-batch, not two (FSDP2's root)
     stage3_keeps_root: bool = False
+    # the attention kernel its layer runs where the point does not say (attention.py; "unfused":
+    # the layer's own softmax path)
+    attention: str = "unfused"
+    fused_loss: bool = False   # its cross entropy one fused kernel each way (torch_block.head_forward)
+    # FSDP: one unit per block and one for the root, each gathered whole and its gradients
+    # reduce-scattered whole, once per micro-batch (dp_plan's fsdp branch)
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if self.host_s_per_kernel is not None and self.host_syncs not in HOST_SYNCS:
@@ -220,6 +227,31 @@ def megatron_float16_optimizer(e: int, stage: int) -> OptimizerStep:
                          kernels_per_updated_tensor=1, kernels_per_step=12)
 
 
+# An Adam step written as torch ops, one pass each (torch.optim.AdamW's foreach path and
+# Composer's DecoupledAdamW alike: composer/optim/decoupled_weight_decay.py): the decoupled decay
+# param.mul_, exp_avg.mul_ and add_, exp_avg_sq.mul_ and addcmul_, the denominator's sqrt, division
+# and add_, param.addcdiv_; bytes per fp32 element each pass reads and writes.
+UNFUSED_ADAMW_PASSES = {"weight decay: param.mul_": 8, "exp_avg.mul_": 8, "exp_avg.add_(grad)": 12,
+                        "exp_avg_sq.mul_": 8, "exp_avg_sq.addcmul_(grad, grad)": 12, "sqrt": 8,
+                        "divide by the bias correction": 8, "add eps": 8, "param.addcdiv_": 16}
+
+
+def composer_adamw(e: int, stage: int) -> OptimizerStep:
+    """Composer's step under FSDP1 (llm-foundry's MPT configs: decoupled_adamw, gradient clipping
+    by norm): FSDP's clip_grad_norm_ (each sharded gradient's norm read, the norms all-reduced, the
+    gradients multiplied by the clip coefficient) and DecoupledAdamW's passes (UNFUSED_ADAMW_PASSES),
+    a Python loop over the flat parameters (one per FSDP unit), in fp32: FSDP keeps the shards and
+    their gradients in the parameters' fp32 whatever the compute dtype."""
+    passes = {"clip: gradient norm": 4, "clip: gradient multiply": 8, **UNFUSED_ADAMW_PASSES}
+    return OptimizerStep({}, passes, kernels_per_updated_tensor=2 + len(UNFUSED_ADAMW_PASSES), kernels_per_step=4)
+
+
+def torch_adamw(e: int, stage: int) -> OptimizerStep:
+    """torch.optim.AdamW with its defaults on CUDA (the foreach path: a multi-tensor launch per
+    pass, UNFUSED_ADAMW_PASSES), as `make bench` steps FSDP2: no clipping."""
+    return OptimizerStep({}, dict(UNFUSED_ADAMW_PASSES), kernels_per_step=len(UNFUSED_ADAMW_PASSES))
+
+
 # Megatron-DeepSpeed 2023 on PyTorch 2.0.1 (the development set's stack, step_time.host_windows):
 # host seconds per kernel its layer issues and per collective call, derived from the development
 # set's small rows (experiments/reports/validation.py derives both, a test keeps these equal to the
@@ -320,6 +352,22 @@ SYSTEMS = {
                               host_s_per_kernel=MEGATRON_DS2023_HOST_S_PER_KERNEL,
                               host_s_per_collective=MEGATRON_DS2023_HOST_S_PER_COLLECTIVE, host_syncs="layer",
                               step_kernels_at_host_cost=True),
+    "llm_foundry_fsdp1": System("llm_foundry_fsdp1", "llm-foundry MPT on FSDP1 (Composer)", (2, 3), True, 0,
+                                "llm-foundry's benchmarks (scripts/train/benchmarking): Composer's FSDP1 with one unit "
+                                "per MPT block and the root, FULL_SHARD (stage 3) or SHARD_GRAD_OP (2), "
+                                "limit_all_gathers, forward prefetch, BACKWARD_PRE, bf16 parameters, gradients "
+                                "reduce-scattered in bf16 (PURE) or fp32 (DEFAULT), every micro-batch; the Triton flash "
+                                "attention; flash-attn's fused cross entropy (loss_fn: fused_crossentropy); "
+                                "DecoupledAdamW with gradient clipping; PyTorch 1.13.1 or 2.1 with NCCL 2.14.3's tuner "
+                                "[assumption: 2.1's NCCL 2.18 tunes alike]",
+                                0, 0, composer_adamw, layer="torch_block", nccl="2.14.3", stage3_keeps_root=True,
+                                attention="flash_triton", fused_loss=True, fsdp=True),
+    "fsdp2": System("fsdp2", "PyTorch FSDP2", (3,), True, 0,
+                    "torch.distributed.fsdp.fully_shard per block and on the root (experiments/bench_engine.py): "
+                    "each block gathered before its forward and again before its backward, the root kept from "
+                    "forward to backward, gradients reduce-scattered per block in the parameters' dtype, "
+                    "torch.optim.AdamW (foreach); the block's attention unfused unless the point names a kernel",
+                    0, 0, torch_adamw, layer="torch_block", nccl="2.14.3", stage3_keeps_root=True, fsdp=True),
     "zero_repro": System("zero_repro", "zero_repro (this engine)", (0, 1, 2, 3), True, 1,
                          "zero_impl: reduce-scatter per bucket (all-reduce at stage 0), overlap_comm, post-step "
                          "all-gather behind the next forward (overlap_param_gather), stage 3 prefetch and kept root; "
@@ -365,12 +413,38 @@ def grad_copy_kernels(system: System, layers: int) -> int:
     return system.grad_copy_kernels_per_tensor * parameter_tensors(layers) + system.grad_copy_kernels_per_reduction
 
 
+def fsdp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, element_bytes: int,
+              reduce_bytes: int, grad_accum: int, root: float) -> DpPlan:
+    """FSDP's collectives (torch/distributed/fsdp/_runtime_utils.py, torch 1.13-2.1): a unit per
+    block and the root unit (embeddings, final norm). Every micro-batch (Composer does not skip
+    the reduction under accumulation): each unit gathered whole before its forward, the root first
+    (in the parameters' dtype); at stage 3 (FULL_SHARD) each block gathered again before its
+    backward, the root kept from its forward to its backward (FSDP1 does not free the root's
+    parameters after forward: `_post_forward`); each unit's gradient reduce-scattered when its
+    backward ends (in the reduce dtype), the root's last. Around each: the gradient cast to the
+    reduce dtype where it differs, divided before the reduce-scatter and its shard after
+    (`_get_gradient_predivide_factor`: both divisions at any DP degree > 2), 3 kernels a unit."""
+    e, r = element_bytes, reduce_bytes
+    unit = (psi - root) / layers
+    grads = [("reduce_scatter", unit * r)] * layers + ([("reduce_scatter", root * r)] if root else [])
+    gathers = ([("all_gather", root * e)] if root else []) + [("all_gather", unit * e)] * layers
+    if stage == 3:
+        gathers += [("all_gather", unit * e)] * layers
+    copies = psi * (2 * e + (e + r if r != e else 0)) + psi / dp * 2 * r
+    return DpPlan(tuple(grads), grad_accum, (), tuple(gathers), copies, 3 * (layers + (1 if root else 0)))
+
+
 def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, element_bytes: int,
-            grad_accum: int, reduce_bucket: float, allgather_bucket: float, root: float = 0.0) -> DpPlan:
+            grad_accum: int, reduce_bucket: float, allgather_bucket: float, root: float = 0.0,
+            reduce_bytes: int | None = None) -> DpPlan:
     """The DP collectives of one step of `system` (module docstring); psi = the parameters one
     TP rank holds, buckets in elements (the zero_repro engine's; the others use their own); root =
-    the elements of psi outside the layers (stage 3's root unit)."""
+    the elements of psi outside the layers (stage 3's root unit); reduce_bytes: an FSDP system's
+    gradient reduce dtype (None: the element bytes)."""
     e = element_bytes
+    if system.fsdp and dp > 1:
+        return fsdp_plan(system, psi=psi, dp=dp, stage=stage, layers=layers, element_bytes=e,
+                         reduce_bytes=reduce_bytes or e, grad_accum=grad_accum, root=root)
     reductions = grad_accum if stage >= 2 else 1
     copies = system.grad_copy_passes * 2 * psi * e
     kernels = grad_copy_kernels(system, layers)
