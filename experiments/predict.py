@@ -10,8 +10,8 @@ It prints the step time, the TFLOPs/GPU (Narayanan Eq. 3) and the breakdown by t
 (experiments/analysis/step_time.py). A point is run by `system=` (megatron2019, deepspeed2020,
 pytorch_ddp, megatron_ds2023, zero_repro; default zero_repro); a paper experiment's points by
 the system the paper ran each with, unless `system=` says otherwise. `cluster=` picks the profile
-(dgx2_v100, dgx2h_v100, dgx_h100, dgx_a100; `local` once `make calibrate` has measured this
-machine). megatron_ds2023 on dgx_a100 is the pair checked against measured A100 steps
+(dgx2_v100, dgx2h_v100, dgx_h100, dgx_a100, dgx_a100_800g; `local` once `make calibrate` has
+measured this machine). megatron_ds2023 on dgx_a100 is the pair checked against measured A100 steps
 (results/reference/reports/validation.md):
 
     python experiments/predict.py system=megatron_ds2023 cluster=dgx_a100 model.layers=24 model.hidden=1024 model.heads=16 gpus=8 tp=8 stage=0 micro_batch=2
