@@ -80,18 +80,22 @@ class Target:
 @dataclass(frozen=True)
 class DevFile:
     """One development-set file: its reports' key, what it measures, its targets and the system
-    and cluster validate is given for it (None: the file's own, as validate takes it)."""
+    and cluster validate is given for it (None: the file's own, as validate takes it without
+    system= or cluster=; its rows' systems must then carry none of systems.py's derived values)."""
 
     key: str
     path: Path
     label: str
     target: Target
-    system: str
+    system: str | None = None
     cluster: str | None = None
 
+    def options(self) -> list[str]:
+        """validate's options for this file."""
+        return [f"{k}={v}" for k, v in (("system", self.system), ("cluster", self.cluster)) if v]
+
     def command(self) -> str:
-        cluster = f" cluster={self.cluster}" if self.cluster else ""
-        return f"python -m experiments.validate {self.path.relative_to(REPO)} system={self.system}{cluster}"
+        return " ".join(["python -m experiments.validate", str(self.path.relative_to(REPO)), *self.options()])
 
 
 SINGLE_NODE = "single_node"
@@ -101,7 +105,7 @@ DEV_SET = (
     DevFile("multi_node", EXTERNAL / "vtrain_a100_multi_node.csv", "vTrain's Megatron-DeepSpeed steps on 8-64 A100 nodes",
             Target(0.10, 0.25, 1.5), "megatron_ds2023"),
     DevFile("fsdp", EXTERNAL / "llm_foundry_a100_fsdp.csv", "llm-foundry's FSDP throughput on A100s",
-            Target(0.10, 0.25, 1.5), "zero_repro"),
+            Target(0.10, 0.25, 1.5)),   # the system measured.py takes for the rows' source
 )
 
 
@@ -197,42 +201,61 @@ def loso_constants(f: DevFile) -> dict[str, tuple[Constant, list[Constant]]]:
     return out
 
 
-def loso_system(f: DevFile) -> System:
-    """f's system with each field that holds systems.py's derived value set to its constant left one source out."""
-    base, derived = systems.SYSTEMS[f.system], systems_values()
-    chosen = {FIELDS[name]: c.us * 1e-6 for name, (c, _) in loso_constants(f).items()}
-    return replace(base, **{k: v for k, v in chosen.items() if getattr(base, k) == derived[k]})
-
-
 def _uses(system: System, field: str) -> bool:
     return getattr(system, field) == systems_values()[field]
 
 
-def constants_used(f: DevFile) -> list[Constant]:
-    """The constants left one source out that f's system carries (none: a system without systems.py's values)."""
+def base_systems(f: DevFile) -> list[System]:
+    """The systems f's rows run on as validate takes them: f's system, or those its rows name."""
+    if f.system:
+        return [systems.SYSTEMS[f.system]]
+    _, outcomes = _scored(f.path, None, f.cluster)
+    return [systems.SYSTEMS[name] for name in dict.fromkeys(o.system for o in outcomes if o.system)]
+
+
+def loso_system(f: DevFile) -> System | None:
+    """f's system with each field that holds systems.py's derived value set to its constant left
+    one source out; None (the rows' own systems) where f names none, whose systems must carry none."""
+    derived = systems_values()
+    if not f.system:
+        carrying = [b.name for b in base_systems(f) if any(_uses(b, k) for k in derived)]
+        if carrying:
+            raise ValueError(f"{f.path.name}: its rows' systems {carrying} carry systems.py's derived host constants: "
+                             "name the system in dev_set.DEV_SET, so that they are left one source out")
+        return None
     base = systems.SYSTEMS[f.system]
-    return [c for c, _ in loso_constants(f).values() if _uses(base, c.field)]
+    chosen = {FIELDS[name]: c.us * 1e-6 for name, (c, _) in loso_constants(f).items()}
+    return replace(base, **{k: v for k, v in chosen.items() if _uses(base, k)})
+
+
+def constants_used(f: DevFile) -> list[Constant]:
+    """The constants left one source out that f's systems carry (none: a system without systems.py's values)."""
+    return [c for c, _ in loso_constants(f).values() if any(_uses(b, c.field) for b in base_systems(f))]
+
+
+def systems_text(f: DevFile) -> str:
+    names = [b.name for b in base_systems(f)]
+    return f"system {', '.join(names)}" if names else "no system (validate's rows name none)"
 
 
 def constants_text(f: DevFile) -> str:
-    """f's system and the constants it is scored with, each with the file it comes from."""
+    """f's systems and the constants they are scored with, each with the file it comes from."""
     used = constants_used(f)
-    return f"system {f.system} " + (("with " + ", ".join(f"{c.field} {c.us:g} us ({c.derived_from.split(':')[0]})"
-                                                         for c in used)) if used else "(no development-set constant)")
+    return systems_text(f) + (" with " + ", ".join(f"{c.field} {c.us:g} us ({c.derived_from.split(':')[0]})"
+                                                    for c in used) if used else " (no development-set constant)")
 
 
 def loso_constants_table() -> pd.DataFrame:
     """Each file's constants: value used, where it came from, the held-out file, its check."""
     rows = []
     for f in DEV_SET:
-        base = systems.SYSTEMS[f.system]
         for name, (c, passed_over) in loso_constants(f).items():
             over = "; ".join(f"not {o.us:g} us from {dev_file(o.source).path.name}: "
                              + ("its own file" if o.source == f.key else f"{o.ratio:.2f}x its check, outside {LOSO_FACTOR}x"
                                 if not o.passes else "a source before it is used")
                              for o in passed_over if o.source is not None)
-            used = (f"{c.us:g}" if _uses(base, c.field)
-                    else f"not used: system {f.system} does not carry systems.py's value")
+            used = (f"{c.us:g}" if c in constants_used(f)
+                    else f"not used: {systems_text(f)} carries no systems.py value of it")
             rows.append({"held-out file (scored)": f.path.name, "constant": name, "value (us)": c.us, "used": used,
                          "derived from": c.derived_from, "independent check": c.check,
                          "ratio to check": c.ratio if c.ratio is not None else float("nan"),
@@ -244,14 +267,15 @@ def loso_constants_table() -> pd.DataFrame:
 
 # -- each file scored: validate's code path with the system left one source out ------------------
 @cache
-def _scored(path: Path, system: System, cluster: str | None) -> tuple[Schema, tuple[Outcome, ...]]:
+def _scored(path: Path, system: System | None, cluster: str | None) -> tuple[Schema, tuple[Outcome, ...]]:
     schema, outcomes = predict_file(path, system, cluster)
     return schema, tuple(outcomes)
 
 
 def scored(f: DevFile, loso: bool = True) -> tuple[Schema, list[Outcome]]:
     """f's rows predicted or refused with its leave-one-out system (loso=False: systems.py's, as validate runs)."""
-    schema, outcomes = _scored(f.path, loso_system(f) if loso else systems.SYSTEMS[f.system], f.cluster)
+    today = systems.SYSTEMS[f.system] if f.system else None
+    schema, outcomes = _scored(f.path, loso_system(f) if loso else today, f.cluster)
     return schema, list(outcomes)
 
 
@@ -328,7 +352,6 @@ def scorecard_rows() -> list[tuple[str, str, str, str, str]]:
                     + ("meets its targets" if not s["misses"] else "misses " + ", ".join(s["misses"])))
         rows.append((f"Development set, leave one source out: {f.label} ({f.path.name})",
                      f"not the paper's: target {f.target.text()}", ours,
-                     f"predicted (step-time model): {systems.SYSTEMS[f.system].label}; constants left one source "
-                     f"out: {constants_text(f)}", f"validation_{f.key}.md, validation_{f.key}_rows.md, validation_loso_constants.md"))
+                     f"predicted (step-time model): constants left one source out: {constants_text(f)}", f"validation_{f.key}.md, validation_{f.key}_rows.md, validation_loso_constants.md"))
     return rows
 
