@@ -426,11 +426,12 @@ class ComputeTime:
 
 
 def compute_time(kernels: list[tuple[Kernel, int]], hw: Hardware, scalar_half_load_fraction: float = 1.0) -> ComputeTime:
-    """Sum over (kernel, repeats): a GEMM's device time counts as GEMM, the rest memory-bound."""
+    """Sum over (kernel, repeats): a GEMM's or a fused attention kernel's device time counts as
+    GEMM (FLOP bound), the rest memory-bound."""
     g = m = f = flops = 0.0
     for kernel, repeats in kernels:
         device, floor = kernel.times(hw, scalar_half_load_fraction)
-        if kernel.gemm:
+        if kernel.gemm or kernel.attention:
             g += device * repeats
         else:
             m += device * repeats

@@ -139,15 +139,30 @@ def foundry_file(tmp_path) -> Path:
     return write(tmp_path / "fsdp.csv", THROUGHPUT_HEADER, [[r[c] for c in THROUGHPUT_HEADER] for r in THROUGHPUT_ROWS])
 
 
-def test_fsdp_rows_are_refused_with_their_reason_until_a_system_is_given(foundry_file, capsys):
+def test_llm_foundry_rows_are_predicted_by_its_fsdp1_system_and_another_source_is_refused(tmp_path, foundry_file, capsys):
     result = as_json(capsys, foundry_file)
-    reasons = [r["reason"] for r in result["per_row"]]
-    no_system = "no system for llm-foundry's FSDP yet (system=zero_repro predicts this engine at the row's ZeRO stage)"
-    assert reasons == [no_system] * 4 + ["shape: grouped-query attention (kv_heads < heads): not modelled",
-                                         "pipeline parallelism > 1: not modelled"]
-    assert result["summary"]["error"] is None and {r["unit"] for r in result["per_row"]} == {"tokens/s/GPU"}
-    code, out, _ = run(capsys, foundry_file)
-    assert code == 0 and f"      4  {no_system}" in out and "no row predicted" in out
+    per = result["per_row"]
+    assert [(r["status"], r["system"], r["cluster"]) for r in per[:5]] == [
+        ("predicted", "llm_foundry_fsdp1", "dgx_a100")] * 3 + [("predicted", "llm_foundry_fsdp1", "dgx_a100_40gb"),
+                                                              ("predicted", "llm_foundry_fsdp1", "dgx_a100")]
+    assert per[5]["reason"] == "pipeline parallelism > 1: not modelled"
+    # the first row by hand: MPT's block as llm-foundry builds it (biases, learned positions, tied,
+    # GeLU, LayerNorm: GPT-2's), stage 3, 2 micro-batches of 4 over DP 8, bf16, no mixed-precision
+    # column: reduced in the parameters' dtype
+    x = st.StepInputs(**st.shape_inputs({"layers": 2, "hidden": 512, "heads": 8, "seq_len": 2048,
+                                         "vocab_size": 50368}, 1), micro_batch=4, tp=1, dp=8, stage=3,
+                      recompute=False, grad_accum=2, element_bytes=2)
+    assert per[0]["predicted_step_s"] == pytest.approx(st.predict(x, profile("dgx_a100"), "llm_foundry_fsdp1").step_s)
+    # grouped-query attention is the torch block's (4 KV heads of 8 -> 2): a smaller QKV GEMM
+    assert per[4]["predicted_step_s"] < per[0]["predicted_step_s"]
+    # a source no system models is refused with its name; a system given predicts it
+    other = write(tmp_path / "other.csv", THROUGHPUT_HEADER,
+                  [[throughput_row(source="someone's benchmark")[c] for c in THROUGHPUT_HEADER]])
+    reason = as_json(capsys, other)["per_row"][0]["reason"]
+    assert reason == ("no system models someone's benchmark's stack "
+                      "(system= names one: zero_repro predicts this engine at the row's ZeRO stage)")
+    code, out, _ = run(capsys, other)
+    assert code == 0 and f"      1  {reason}" in out and "no row predicted" in out
     stages = as_json(capsys, foundry_file, "system=megatron_ds2023")["per_row"][0]["reason"]
     assert stages == "system megatron_ds2023 runs ZeRO stages [0], not 3"
 
@@ -155,8 +170,8 @@ def test_fsdp_rows_are_refused_with_their_reason_until_a_system_is_given(foundry
 def test_fsdp_rows_predicted_by_this_engine_at_stage_3(foundry_file, capsys):
     result = as_json(capsys, foundry_file, "system=zero_repro")
     per = result["per_row"]
-    assert [r["status"] for r in per] == ["predicted"] * 3 + ["refused"] * 3
-    assert per[3]["reason"] == "no step-time profile for GPU 'A100 40GB' (give cluster= to predict on one)"
+    assert [r["status"] for r in per] == ["predicted"] * 5 + ["refused"]
+    assert per[3]["cluster"] == "dgx_a100_40gb"
     # the measured step from tokens per second: 64 x 2048 tokens at 50000 a second on each of 8 GPUs;
     # the second row has only the total: 240000 / 8 a GPU
     assert per[0]["measured_step_s"] == pytest.approx(64 * 2048 / (50000 * 8)) and per[1]["measured"] == 30000
@@ -169,9 +184,10 @@ def test_fsdp_rows_predicted_by_this_engine_at_stage_3(foundry_file, capsys):
     assert per[0]["predicted_step_s"] == pytest.approx(step)
     assert per[0]["predicted"] == pytest.approx(64 * 2048 / (step * 8))   # tokens / s / GPU
     check_summary_by_hand(result, lambda r: r["measured"] / r["predicted"],   # time ratio: throughputs inverted
-                          {"sequence length": lambda r: ("<=2k", "4-8k", ">=16k")[r["index"]],
-                           "GPU": lambda r: "A100 80GB", "sharding": lambda r: FULL_SHARD,
-                           "activation checkpointing": lambda r: ("False", "True", "False")[r["index"]]})
+                          {"sequence length": lambda r: ("<=2k", "4-8k", ">=16k", "<=2k", "<=2k")[r["index"]],
+                           "GPU": lambda r: ("A100 40GB" if r["index"] == 3 else "A100 80GB"),
+                           "sharding": lambda r: FULL_SHARD,
+                           "activation checkpointing": lambda r: ("False", "True", "False", "False", "False")[r["index"]]})
     given = as_json(capsys, foundry_file, "system=zero_repro", "cluster=dgx_a100")["per_row"]
     assert given[3]["status"] == "predicted" and given[3]["predicted"] == pytest.approx(per[0]["predicted"])
 
@@ -195,7 +211,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     done = subprocess.run([sys.executable, "-m", "experiments.validate", str(other), "cluster=moon"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: cluster must be one of ['dgx2_v100', 'dgx2h_v100', 'dgx_h100', 'dgx_a100', 'dgx_a100_800g'], "
+        "error: cluster must be one of ['dgx2_v100', 'dgx2h_v100', 'dgx_h100', 'dgx_a100', 'dgx_a100_800g', "
+        "'dgx_a100_40gb'], "
         "got 'moon'"]
 
 
@@ -208,5 +225,7 @@ def test_the_development_set_files_are_read_from_results_external():
         measured.VTRAIN, 1440, measured.VTRAIN, 109, measured.THROUGHPUT, 139)
     assert sum(r["pp"] == 1 for r in measured.vtrain_rows(external / "vtrain_a100_multi_node.csv")) == 28
     schema, outcomes = measured.predict_file(external / "llm_foundry_a100_fsdp.csv")
-    assert {o.reason for o in outcomes} == {"no system for llm-foundry's FSDP yet (system=zero_repro predicts this "
-                                            "engine at the row's ZeRO stage)"}
+    # every row llm-foundry's, each on the profile of its GPU, its reduce dtype from its mode
+    assert {(o.reason, o.system) for o in outcomes} == {(None, "llm_foundry_fsdp1")}
+    assert {(o.row["gpu"], o.cluster) for o in outcomes} == {("A100 40GB", "dgx_a100_40gb"), ("A100 80GB", "dgx_a100")}
+    assert {o.row["mixed_precision_mode"].split()[0] for o in outcomes} == {"PURE", "DEFAULT"}
