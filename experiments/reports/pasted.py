@@ -51,8 +51,8 @@ def _columns(value: str, names: list[str], path: str) -> list[str]:
 def render(path: str, options: str = "") -> str:
     """The body a block pastes: the file itself, or a Markdown table's chosen columns and rows
     (options separated by "; ", applied in order: columns=a,b,c in that order; where=column:value,
-    repeatable, keeps the rows that match; sort=a,b orders the rows by those columns; top=N keeps
-    the first N rows)."""
+    repeatable, keeps the rows that match (where=column:a|b: either; a Markdown cell holds no |);
+    sort=a,b orders the rows by those columns; top=N keeps the first N rows)."""
     text = (REPO / path).read_text()
     opts = [o.strip().split("=", 1) for o in options.split(";") if o.strip()]
     if not opts:
@@ -66,7 +66,7 @@ def render(path: str, options: str = "") -> str:
             keep = _columns(value, names, path)
         elif key == "where":
             column, wanted = value.split(":", 1)
-            table = [row for row in table if row.get(column) == wanted]
+            table = [row for row in table if row.get(column) in wanted.split("|")]
         elif key == "sort":
             table.sort(key=lambda row: [_order(row[c]) for c in value.split(",")])
         elif key == "top":

@@ -50,6 +50,8 @@ def test_pasted_blocks_select_columns_and_rows():
         pasted.render("results/reference/reports/fig6/largest.md", "columns=nope")
     first_two = pasted.render("results/reference/reports/fig6/largest.md", "columns=zero_r; sort=zero_r; top=2")
     assert first_two.splitlines()[2:] == ["| C1 |", "| C2 |"]
+    either = pasted.render("results/reference/reports/fig6/largest.md", "columns=zero_r; where=zero_r:C4|C1; sort=zero_r")
+    assert either.splitlines()[2:] == ["| C1 |", "| C4 |"]
 
 
 def test_reference_scorecard_is_what_the_reference_records_give(reference_records):
