@@ -31,8 +31,8 @@ from experiments.analysis.activations import activation_memory, engine_buffer_by
 from experiments.analysis.hardware import from_cluster
 from experiments.analysis.step_time import inputs_from_point, predict
 from experiments.analysis.memory import model_state_bytes, optimizer_step_bytes
-from experiments.models.gpt_shape import (LAYER_SPECS, GPTShape, normal_draws_per_rank, padded_vocab_size,
-                                          parameters_per_tp_rank)
+from experiments.models.gpt_shape import (LAYER_SPECS, GPTShape, layer_parameters, normal_draws_per_rank,
+                                          padded_vocab_size, parameters_per_tp_rank, root_parameters)
 
 from .schema import ModelConfig, TrainConfig, TrainSettings, ZeroSettings
 
@@ -59,6 +59,9 @@ LATER_KNOB_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": Fals
 # (the record's resolved config keeps them)
 UNHASHED_KNOBS = ("gloo_point_to_point",)
 LATER_TRAIN_DEFAULTS = {"layer_spec": "local", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8}  # train.* likewise
+# model.* likewise: the Llama / MPT choices, at GPT-2's values (GPTShape's defaults)
+LATER_MODEL_DEFAULTS = {"ffn_hidden": None, "kv_heads": None, "bias": True, "position": "learned", "mlp": "gelu",
+                        "norm": "layernorm", "tie_embeddings": True}
 
 
 class ConfigError(ValueError):
@@ -78,7 +81,13 @@ def load_model(name: str) -> dict:
     return OmegaConf.to_container(merged)
 
 
-SHAPE_KEYS = ("layers", "hidden", "heads", "seq_len", "vocab_size")
+SHAPE_KEYS = ("layers", "hidden", "heads", "seq_len", "vocab_size", *LATER_MODEL_DEFAULTS)
+
+
+def shape_of(model: dict) -> GPTShape:
+    """The GPTShape of a model config (a record's model from before a key existed has its default)."""
+    return GPTShape(model["layers"], model["hidden"], model["heads"], model["seq_len"], model["vocab_size"],
+                    **{k: model.get(k, v) for k, v in LATER_MODEL_DEFAULTS.items()})
 
 
 def shaped_model(model: dict) -> dict:
@@ -118,8 +127,7 @@ class Point:
 
     @property
     def shape(self) -> GPTShape:
-        m = self.model
-        return GPTShape(m["layers"], m["hidden"], m["heads"], m["seq_len"], m["vocab_size"])
+        return shape_of(self.model)
 
     @property
     def global_batch(self) -> int:
@@ -141,6 +149,8 @@ class Point:
 
     def _id(self, unhashed_train: tuple[str, ...]) -> str:
         settings = {k: v for k, v in self.as_dict().items() if k not in ("cluster",)}
+        settings["model"] = {k: v for k, v in self.model.items()
+                             if k not in LATER_MODEL_DEFAULTS or v != LATER_MODEL_DEFAULTS[k]}
         settings["zero"] = {k: v for k, v in self.zero.items() if k not in UNHASHED_KNOBS
                             and (k not in LATER_KNOB_DEFAULTS or v != LATER_KNOB_DEFAULTS[k])}
         settings["train"] = {k: v for k, v in self.train.items() if k not in unhashed_train
@@ -210,6 +220,7 @@ def expand(cfg: DictConfig) -> list[Point]:
                       tp=row["tp"], micro_batch=row["micro_batch"], note=row.get("note", ""), train=row_train,
                       zero=_zero_for(zero, row, row_train), cluster=cluster)
         try:
+            point.shape.check()
             point.shape.check_tp(point.tp)
         except ValueError as e:
             raise ConfigError(f"point ({point.describe()}): {e}") from None
@@ -599,14 +610,16 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
                                     heads=shape.heads, layers=shape.layers, vocab=vocab, tp=point.tp,
                                     recompute=point.train["recompute"], bytes_per_element=DTYPES[precision].itemsize,
                                     dropout=dropout, partition_activations=point.zero.get("partition_activations", False),
-                                    cpu_checkpointing=point.zero.get("cpu_checkpointing", False))
+                                    cpu_checkpointing=point.zero.get("cpu_checkpointing", False),
+                                    **_layer_shape(shape, point.train.get("layer_spec", "local")))
     config = ZeroConfig(stage=point.stage, precision=precision, **point.zero)  # the engine's dtypes
     buffers = engine_buffer_bytes(stage=point.stage, hidden=shape.hidden, seq_len=shape.seq_len, vocab=vocab,
                                   tp=point.tp, params=parameters_per_tp_rank(shape, point.tp),
                                   reduce_bucket_size=config.reduce_bucket_size,
                                   stage3_max_live_units=config.stage3_max_live_units,
                                   param_bytes=config.param_dtype.itemsize,
-                                  reduce_bytes=config.grad_reduce_dtype.itemsize)
+                                  reduce_bytes=config.grad_reduce_dtype.itemsize,
+                                  **_unit_params(shape, point.tp))
     # A master is one bucket's shard of one param group, never split: a chunk may be one larger
     # master, at most a bucket's or the largest parameter's (the tied embedding) share.
     sharded_over = point.dp if point.stage > 0 else 1
@@ -620,6 +633,33 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
             "step_temporaries": step, "total": max(backward, states["total"] + step),
             "peak_phase": "step" if states["total"] + step > backward else "backward",
             "terms": {"model_states": states, "activations": activations, "buffers": buffers}}
+
+
+def _is_gpt2(shape: GPTShape) -> bool:
+    return all(getattr(shape, k) == v for k, v in LATER_MODEL_DEFAULTS.items())
+
+
+def _layer_shape(shape: GPTShape, layer_spec: str) -> dict:
+    """activation_memory's shape arguments beyond GPT-2's (none for GPT-2, whose numbers stay
+    those of before): K and V at kv_heads' width where TE's attention keeps them so, at every
+    head's on the local spec (its DotProductAttention repeats them before its matmuls), whose
+    rotary embeddings with multi-head attention keep the QKV output beside the rotated Q and K."""
+    if _is_gpt2(shape):
+        return {}
+    local = layer_spec != "transformer_engine"
+    return {"kv_hidden": shape.hidden if local else shape.kv_hidden, "ffn": shape.ffn, "swiglu": shape.mlp == "swiglu",
+            "rotated_copies": local and shape.position == "rope" and shape.query_groups == shape.heads,
+            "rmsnorm": local and shape.norm == "rmsnorm"}
+
+
+def _unit_params(shape: GPTShape, tp: int) -> dict:
+    """engine_buffer_bytes' stage-3 units beyond GPT-2's: one layer's and the root's
+    parameters on one TP rank."""
+    if _is_gpt2(shape):
+        return {}
+    layer, layer_dup = layer_parameters(shape)
+    root, root_dup = root_parameters(shape, tp)
+    return {"layer_params": layer / tp + layer_dup, "root_params": root / tp + root_dup}
 
 
 def check_simulate_rank(points: list[Point], rank: int) -> None:

@@ -24,6 +24,14 @@ class ModelConfig:
     heads: int = "???"   # type: ignore[assignment]
     seq_len: int = 1024
     vocab_size: int = 50257
+    # Llama / MPT choices; the defaults are GPT-2's, the paper's model (models/gpt_shape.py GPTShape)
+    ffn_hidden: Optional[int] = None   # the MLP's width (None: 4 x hidden)
+    kv_heads: Optional[int] = None     # grouped-query attention's key/value heads (None: heads)
+    bias: bool = True                  # biases in the linear layers
+    position: str = "learned"          # learned | rope
+    mlp: str = "gelu"                  # gelu | swiglu
+    norm: str = "layernorm"            # layernorm | rmsnorm
+    tie_embeddings: bool = True        # false: an output layer of its own (V x h)
     label: str = ""      # the paper's printed size, e.g. "100B"
     source: str = ""     # where the paper uses it
 

@@ -50,14 +50,34 @@ from zero_impl import MAX_INFLIGHT_STAGING
 
 
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
-                           bytes_per_element: int = 2, dropout: bool = True) -> float:
+                           bytes_per_element: int = 2, dropout: bool = True, kv_hidden: int | None = None,
+                           ffn: int | None = None, swiglu: bool = False, rotated_copies: bool = False,
+                           rmsnorm: bool = False) -> float:
     """Bytes one transformer layer keeps for backward on one TP rank (Korthikanti et al. 2022
     Eq. 1 at t = 1, Eq. 2 for TP t without sequence parallelism; p = 2 with dropout gives
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)))."""
+    s·b·h·(10 + 24/t + 5·a·s/(h·t))).
+
+    Shapes beyond GPT-2's (the defaults keep its numbers), as megatron-core's local layers keep
+    them (tests/experiments/test_model_choices.py counts what autograd saves): kv_hidden, the
+    width of the K and V kept (kv_heads x head dim where the attention keeps them so, as TE's
+    fused attention does; megatron's local DotProductAttention repeats them to every head and
+    keeps those: hidden each); ffn, the MLP's width f (4h): GeLU keeps its input and FC2's,
+    2f; SwiGLU keeps FC1's output (gate and up, 2f), the SiLU's output, megatron's copy of the
+    up half (`x_linear + glu_linear_offset`) and FC2's input: 5f. rotated_copies: rotary
+    embeddings make new Q and K (2h) while V, a view of the QKV output, keeps all of it (multi-
+    head attention on the local spec; with grouped K/V the repeat copies V instead); rmsnorm:
+    torch's RMSNorm keeps its normalized input besides its input, p·sbh more per norm. Biases
+    keep nothing more."""
     s, b, h, a, t, p = seq_len, micro_batch, hidden, heads, tp, bytes_per_element
     masks = 1 if dropout else 0
-    replicated = s * b * h * (4 * p + 2 * masks)
-    sharded = s * b * h * 12 * p / t
+    replicated = s * b * h * (4 * p + 2 * masks) + (2 * p * s * b * h if rmsnorm else 0)
+    if kv_hidden is None and ffn is None and not (swiglu or rotated_copies):
+        sharded = s * b * h * 12 * p / t
+    else:
+        kv = h if kv_hidden is None else kv_hidden
+        f = 4 * h if ffn is None else ffn
+        qkv = h + 2 * kv + (2 * h if rotated_copies else 0)
+        sharded = s * b * (qkv + h + f * (5 if swiglu else 2)) * p / t
     attention = a * s * s * b * (p + masks * (p + 1)) / t
     return replicated + sharded + attention
 
@@ -86,14 +106,18 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab: int, tp: int = 1, *, byt
 def activation_memory(*, seq_len: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
                       tp: int = 1, recompute: bool = True, bytes_per_element: int = 2,
                       dropout: bool = True, partition_activations: bool = False,
-                      cpu_checkpointing: bool = False) -> dict[str, float]:
+                      cpu_checkpointing: bool = False, kv_hidden: int | None = None, ffn: int | None = None,
+                      swiglu: bool = False, rotated_copies: bool = False, rmsnorm: bool = False) -> dict[str, float]:
     """Activation bytes per GPU by term, and `total`: what is kept through forward plus the
     larger of the two transient working sets (the loss's, or one recomputed layer's).
     With recomputation, ZeRO-R's Pa keeps 1/t of each checkpoint (zero_impl/activations.py; the
     gathered copy is the recomputed layer's input, already in its Eq. 2 working set) and Pa+cpu
-    keeps that slice in host memory: `host_checkpoints`, outside the device total."""
+    keeps that slice in host memory: `host_checkpoints`, outside the device total.
+    kv_hidden, ffn, swiglu, rotated_copies, rmsnorm: the layer's shape beyond GPT-2's
+    (`layer_activation_bytes`)."""
     layer = layer_activation_bytes(seq_len, micro_batch, hidden, heads, tp, bytes_per_element=bytes_per_element,
-                                   dropout=dropout)
+                                   dropout=dropout, kv_hidden=kv_hidden, ffn=ffn, swiglu=swiglu,
+                                   rotated_copies=rotated_copies, rmsnorm=rmsnorm)
     kept = checkpoint_bytes(seq_len, micro_batch, hidden, layers, bytes_per_element=bytes_per_element)
     if recompute and partition_activations:
         kept = layers * bytes_per_element * -(-seq_len * micro_batch * hidden // tp)
@@ -123,7 +147,8 @@ def root_params_per_tp_rank(hidden: int, seq_len: int, vocab: int, tp: int) -> f
 
 def engine_buffer_bytes(*, stage: int, hidden: int, seq_len: int, vocab: int, tp: int = 1, params: float,
                         reduce_bucket_size: int, stage3_max_live_units: int = 3, param_bytes: int = 2,
-                        reduce_bytes: int = 2) -> dict[str, float]:
+                        reduce_bytes: int = 2, layer_params: float | None = None,
+                        root_params: float | None = None) -> dict[str, float]:
     """The engine's buffers during backward on one GPU, by term, and `total` (module docstring).
 
     params: the parameters of this TP rank (Ψ of Table 1); a bucket never holds more.
@@ -133,9 +158,13 @@ def engine_buffer_bytes(*, stage: int, hidden: int, seq_len: int, vocab: int, tp
     is that large: MAX_INFLIGHT_STAGING·B + max(B, V·h/t) elements, B = reduce_bucket_size.
     Stage 3 stages one bucket per unit, the root unit (embeddings) last, and keeps the root plus
     stage3_max_live_units - 1 layers gathered.
+    layer_params, root_params: one layer's and the root's parameters on this TP rank where the
+    shape is not GPT-2's (gpt_shape.layer_parameters, root_parameters; None: GPT-2's). An untied
+    output layer is in the root; its gradient is staged as soon as backward produces it, and
+    the word embedding's, last, is still the V·h/t counted as embedding_grad.
     """
-    layer = layer_params_per_tp_rank(hidden, tp)
-    root = root_params_per_tp_rank(hidden, seq_len, vocab, tp)
+    layer = layer_params_per_tp_rank(hidden, tp) if layer_params is None else layer_params
+    root = root_params_per_tp_rank(hidden, seq_len, vocab, tp) if root_params is None else root_params
     embedding = vocab * hidden / tp
     out = {"grad_staging": 0.0, "gathered_units": 0.0, "embedding_grad": embedding * param_bytes}
     if stage == 2:

@@ -54,8 +54,8 @@ from experiments.models.gpt_shape import parameter_count
 from experiments.analysis.hardware import load_cluster
 from experiments.commands import python_command, train_command
 from experiments.launch import default_workers
-from experiments.points import (CONF_DIR, SHAPE_KEYS, ConfigError, Point, available_models, expand, load_model,
-                                predicted_memory_bytes, shaped_model, simulated_precision)
+from experiments.points import (CONF_DIR, LATER_MODEL_DEFAULTS, SHAPE_KEYS, ConfigError, Point, available_models,
+                                expand, load_model, predicted_memory_bytes, shaped_model, simulated_precision)
 from experiments.run.record import verdict
 from experiments.schema import ClusterConfig, ModelConfig, PlanConfig, SweepConfig, TrainSettings, ZeroSettings
 from zero_impl import DeepSpeedConfig, DeepSpeedConfigError, parse_deepspeed
@@ -154,9 +154,8 @@ def tp_degrees(cfg: DictConfig, gpus_per_node: int) -> list[int]:
     """TP degrees megatron can split the model by (heads and hidden) whose groups stay inside a
     node (TP groups are consecutive ranks: the degree divides the GPUs a node holds of the job);
     of those, the ones `tps` lists when it is given."""
-    from experiments.models.gpt_shape import GPTShape
-    m = cfg.model
-    shape = GPTShape(m.layers, m.hidden, m.heads, m.seq_len, m.vocab_size)
+    from experiments.points import shape_of
+    shape = shape_of(OmegaConf.to_container(cfg.model))
     out = []
     for tp in range(1, min(gpus_per_node, cfg.gpus) + 1):
         try:
@@ -580,8 +579,11 @@ def plan_name(cfg: DictConfig, cluster_name: str, base_model: str | None) -> str
     if base is None or any(model[k] != base[k] for k in SHAPE_KEYS):
         # the vocabulary only when off the base's (the schema's without one): shapes named before keep their names
         vocab = model["vocab_size"] != (base or {}).get("vocab_size", ModelConfig.vocab_size)
+        # the Llama / MPT choices likewise, each off the base's (-mlpswiglu, -kv_heads8)
+        choices = "".join("-" + re.sub(r"[^A-Za-z0-9_.]", "", f"{k}{model[k]}".lower()) for k in LATER_MODEL_DEFAULTS
+                          if model[k] != (base or LATER_MODEL_DEFAULTS)[k])
         parts.append(f"l{model['layers']}-h{model['hidden']}-a{model['heads']}-s{model['seq_len']}"
-                     + (f"-v{model['vocab_size']}" if vocab else ""))
+                     + (f"-v{model['vocab_size']}" if vocab else "") + choices)
     parts += [cluster_name, f"g{cfg.gpus}"]
     defaults = OmegaConf.structured(PlanConfig)
     for key in NAMED_KEYS:
