@@ -190,12 +190,13 @@ def derived_constants() -> dict[str, Constant]:
 
 
 def loso_constants(f: DevFile) -> dict[str, tuple[Constant, list[Constant]]]:
-    """For each constant, the one `f` is scored with and the sources passed over: the single-node
-    derivation where it is not f's own file and passes its check, else the independent measurement."""
+    """For each constant, the one `f` is scored with and the sources passed over: the independent
+    measurement (systems.py's value), else the single-node derivation where it is not f's own
+    file and passes its check."""
     derived, measured = derived_constants(), measured_constants()
     out = {}
     for name in FIELDS:
-        candidates = [derived[name], measured[name]]
+        candidates = [measured[name], derived[name]]
         usable = [c for c in candidates if c.source != f.key and c.passes]
         out[name] = (usable[0], [c for c in candidates if c is not usable[0]])
     return out

@@ -118,15 +118,14 @@ def test_the_single_node_files_constants_are_not_derived_from_it(tmp_path, monke
     monkeypatch.setattr(validation, "DEV_SET_CSV", moved)
     assert validation.host_constants()["host_us_per_kernel"] == pytest.approx(1.2 * derived, abs=0.1)
     after = {f.key: dev_set.loso_constants(f) for f in dev_set.DEV_SET}
-    # ... and with it the multi-node file's per-kernel cost (1.23x its check: still within 1.5x) ...
-    kernel = dev_set.PER_KERNEL
-    assert after["multi_node"][kernel][0].us == pytest.approx(1.2 * before["multi_node"][kernel][0].us, abs=0.1)
-    assert after["multi_node"][kernel][0].source == "single_node"
-    # ... never the single-node file's own: none of its constants comes from it
-    assert {k: c for k, (c, _) in after["single_node"].items()} == {k: c for k, (c, _) in before["single_node"].items()}
-    assert all(c.source is None for c, _ in after["single_node"].values())
-    assert dev_set.loso_system(single) == system_before
-    assert dev_set.loso_system(multi) != systems.SYSTEMS[multi.system]
+    # ... but no file's constants move: each is scored with the independent measurements, which
+    # are systems.py's values; the derivation is shown beside them as passed over
+    for key in after:
+        assert {k: c for k, (c, _) in after[key].items()} == {k: c for k, (c, _) in before[key].items()}
+        assert all(c.source is None for c, _ in after[key].values())
+    assert [c.source for c in after["multi_node"][dev_set.PER_KERNEL][1]] == ["single_node"]
+    assert dev_set.loso_system(single) == system_before == systems.SYSTEMS[single.system]
+    assert dev_set.loso_system(multi) == systems.SYSTEMS[multi.system]
 
 
 def test_the_single_node_files_constants_are_the_independent_measurements_by_hand():
