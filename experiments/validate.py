@@ -8,8 +8,8 @@
 The file's schema is told by its columns (experiments/analysis/measured.py): vTrain's iteration
 times (system megatron_ds2023 on cluster dgx_a100; the multi-node file, which has the parameter
 count, on dgx_a100_800g: 800 Gb/s between nodes, as vTrain's configs state) or the
-sharded-data-parallel throughput compilation (no system for llm-foundry's FSDP yet: its rows are
-refused unless `system=` names one; the cluster from each row's GPU). `system=` and `cluster=`
+sharded-data-parallel throughput compilation (llm-foundry's rows by llm_foundry_fsdp1, another
+source's refused unless `system=` names one; the cluster from each row's GPU). `system=` and `cluster=`
 replace every row's own. It prints the rows predicted and those refused, grouped by reason; the
 median, 90th percentile and worst |predicted / measured - 1| on step time; and the median ratio
 (predicted / measured time) over all rows and by TP degree, sequence-length band and, where the

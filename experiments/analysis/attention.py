@@ -30,6 +30,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from math import log2
 
+from experiments.analysis.hardware import Hardware
+
 BACKWARD_FLOPS_FACTOR = 2.5   # benchmark_flash_attention.py: a backward pass counts 2.5 forwards
 
 # (compute capability, implementation, head dimension) -> {sequence length: TFLOPs/s}, forward +
@@ -40,7 +42,6 @@ MEASURED: dict[tuple[int, str, int], dict[int, float]] = {
     (80, "flash_triton", 64): {512: 58, 1024: 70, 2048: 77, 4096: 87, 8192: 92, 16384: 97},
     (80, "flash_triton", 128): {512: 55, 1024: 62, 2048: 69, 4096: 76, 8192: 80, 16384: 83},
 }
-IMPLEMENTATIONS = ("flash_triton", "flash2")
 
 
 def attention_flops(batch_heads: int, seq_len: int, head_dim: int, causal: bool, direction: str) -> float:
@@ -59,7 +60,7 @@ class AttentionCall:
     causal: bool
     direction: str
 
-    def flops_per_s(self, hw) -> float:
+    def flops_per_s(self, hw: Hardware) -> float:
         """The measured rate on hw's GPU (MEASURED; forward and backward alike), interpolated in
         log2(sequence length); ValueError where nobody measured this kernel on this GPU at this
         head dimension."""

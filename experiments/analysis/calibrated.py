@@ -98,7 +98,7 @@ def kernels_per_step(framework: dict, layers: int) -> int:
 def kernel_floor_s(framework: dict) -> float:
     """The per-kernel floor of a CPU rank: the host time the sweep's own model adds per layer at a
     shape where its kernels do no work (calibration/framework.py), over the kernels the model
-    counts per layer (kernels.step_kernels: forward, recomputed forward, backward)."""
+    counts per layer (layers.step_kernels: forward, recomputed forward, backward)."""
     (l0, l1), (t0, t1) = framework["layers"], framework["step_s"]
     return (t1 - t0) / (kernels_per_step(framework, l1) - kernels_per_step(framework, l0))
 

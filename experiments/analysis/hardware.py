@@ -173,8 +173,9 @@ SOURCES |= {f"dgx_a100_800g.{k}": SOURCES[f"dgx_a100.{k}"]
 SOURCES |= {f"dgx_a100_40gb.{k}": SOURCES[f"dgx_a100.{k}"] for k in PROFILE_KEYS if k != "hbm_gb_per_s"}
 SOURCES["dgx_a100_40gb.hbm_gb_per_s"] = "1555: NVIDIA A100 40 GB SXM datasheet (HBM2, 1,555 GB/s)"
 SOURCES["dgx_a100_40gb.inter_node_gbps"] = ("1600 per node: llm-foundry's benchmark table's section title, 'A100 40GB "
-                                            "with 1600 Gbps node-node interconnect (RoCE)'; 8 NICs [assumption: as a "
-                                            "DGX A100's]")
+                                            "with 1600 Gbps node-node interconnect (RoCE)'")
+SOURCES["dgx_a100_40gb.nics_per_node"] = ("8 [assumption]: not stated (RoCE, not a DGX's InfiniBand); 8 x 200 Gb/s as a "
+                                          "DGX A100's")
 
 
 def load_cluster(name: str) -> dict | None:

@@ -101,7 +101,7 @@ class LayerShape:
     rmsnorm: bool = False        # RMSNorm instead of LayerNorm
     rotary: bool = False         # rotary positions (applied to q and k) instead of a learned table
     tied: bool = True            # the logits reuse the word embedding
-    attention: str = "unfused"   # "unfused" or a fused kernel of attention.IMPLEMENTATIONS
+    attention: str = "unfused"   # "unfused" or a fused kernel of attention.MEASURED
     fused_loss: bool = False     # a fused cross-entropy kernel (flash-attn's xentropy) instead of torch's
 
     @property

@@ -12,10 +12,12 @@ Two schemas, told apart by their columns:
   config/validation/multi/*.json), not a DGX A100's 1,600; `cluster=` overrides both.
 - `throughput`: the sharded-data-parallel compilation (llm_foundry_a100_fsdp.csv), whose columns
   every file of its kind shares: measured tokens per second per GPU, the GPU, shape, sharding,
-  precision and activation checkpointing per row. No system models llm-foundry's FSDP yet, so
-  its rows are refused unless `system=` names one (zero_repro: this engine at the ZeRO stage of
-  the row's sharding strategy, the model's GPT shape standing in for MPT's); the cluster comes
-  from the row's GPU unless given.
+  precision and activation checkpointing per row. A row's source names its system
+  (SOURCE_SYSTEMS: llm-foundry's rows run by llm_foundry_fsdp1, MPT's block as llm-foundry builds
+  it, the gradients reduced in the dtype of the row's mixed-precision mode); a row of another
+  source is refused unless `system=` names one (zero_repro: this engine at the ZeRO stage of the
+  row's sharding strategy). The cluster comes from the row's GPU unless given. The row's
+  attention_impl is not read: the system's kernel is used (every llm-foundry row is Triton's).
 
 The error is on step time: ratio = predicted / measured seconds per step (for a throughput file,
 measured / predicted tokens per second), error |ratio - 1|.
@@ -57,7 +59,7 @@ THROUGHPUT_OPTIONAL = ("kv_heads", "ffn_hidden", "dp", "cp", "activation_cpu_off
                        "mixed_precision_mode")
 # FSDP's sharding strategies as ZeRO stages (the compilation names them inside longer text)
 SHARDING_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
-# a throughput row's GPU -> the profile of its machine (the A100 40 GB has no profile: dgx_a100 is the 80 GB SXM)
+# a throughput row's GPU -> the profile of its machine
 GPU_CLUSTERS = {"A100 80GB": "dgx_a100", "A100 40GB": "dgx_a100_40gb", "H100 80GB": "dgx_h100"}
 # a throughput row's source -> the system that models its stack, and its model's block as the
 # source builds it (the file has no columns for these): llm-foundry's benchmark MPT keeps its
@@ -68,7 +70,9 @@ SOURCE_SYSTEMS = {"llm-foundry": "llm_foundry_fsdp1"}
 SOURCE_MODELS = {"llm-foundry": {"bias": True, "position": "learned", "mlp": "gelu", "norm": "layernorm",
                                  "tie_embeddings": True}}
 # FSDP's mixed-precision mode (the row's mixed_precision_mode names it) -> bytes of a reduced
-# gradient element: Composer's PURE reduces in bf16, DEFAULT in fp32
+# gradient element: Composer's PURE reduces in bf16, DEFAULT in fp32 from Composer 0.16.4 on
+# (mosaic_fsdp_utils.py; 0.13.4's DEFAULT left it to torch 1.13.1, which reduced in bf16); the
+# file's DEFAULT rows all ran Composer 0.16-0.17 (their mixed_precision_mode says so)
 REDUCE_BYTES = {"PURE": 2, "DEFAULT": 4}
 # the sequence-length bands of the summary: the development set's lengths are 512-2,048,
 # 4,096-8,192 and 16,384-65,536; a length between two bands falls in the upper one

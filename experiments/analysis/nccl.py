@@ -105,7 +105,7 @@ class Nccl:
         if self.version not in VERSIONS:
             raise ValueError(f"NCCL version {self.version!r}: one of {', '.join(VERSIONS)}")
         new = self.version == "2.14.3"
-        nodes = ceil(ranks / max(1, min(ranks, ranks_per_node)))
+        nodes = nodes_of(ranks, ranks_per_node)
         ppn = ranks / nodes
         bus, channels = self.bus(ranks, nodes, concurrent)
         ampere = new and self.compute_capability == 80
@@ -174,6 +174,11 @@ class Nccl:
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         return self.choice(kind, nbytes, ranks, ranks_per_node, concurrent)[2]
+
+
+def nodes_of(ranks: int, ranks_per_node: int) -> int:
+    """The nodes a group of `ranks` spans, `ranks_per_node` of them on each."""
+    return ceil(ranks / max(1, min(ranks, ranks_per_node)))
 
 
 def concurrent_groups(group_size: int, stride: int, gpus: int, gpus_per_node: int) -> int:

@@ -5,7 +5,8 @@ datasheet value, a source in hardware.SOURCES or systems.py, or a measurement (`
 
 Per GPU and per step, with g micro-batches accumulated:
 
-- compute (kernels.py): the kernels of a micro-batch's forward, recomputed forward and
+- compute (kernels.py; torch_block.py for a pre-norm block in plain PyTorch, with a fused
+  attention kernel at its measured rate, attention.py): the kernels of a micro-batch's forward, recomputed forward and
   backward, each max(FLOP time at the GEMM model's efficiency, bytes at HBM x the achievable
   fraction, x the system's torch fp16 rate for torch's fp16 kernels) + a per-kernel floor;
   split into GEMM, memory-bound and floor seconds; x g.
@@ -20,10 +21,18 @@ Per GPU and per step, with g micro-batches accumulated:
   forward (System.param_gather_overlap, zero_repro with overlap_comm): then exposed = max(the
   first gather, their sum - that forward's compute), the first layer waiting for its bucket;
   stage 3's per-layer gathers (the root's once where the system keeps it) prefetched under the
-  micro-batch's compute. Only the part of a collective its CollectiveModel says compute can
-  hide is hidden (a calibrated CPU host measures it: gloo shares the ranks' cores; NCCL: all).
-  The gradient copies around them (flatten, divide, bucket copies) are
-  memory-bound passes, counted in compute_memory_bound and kernel_floors.
+  compute of their phase: gathers and reductions run in issue order on one stream, so the
+  forward's gathers hide under the forward only (the first two, the root's and the first
+  layer's, not), the backward's gathers and the reductions under the recomputed forward and the
+  backward (the last reduction, for FSDP's per-unit plan the last two, not). FSDP (systems.
+  fsdp_plan) gathers and reduce-scatters one unit per block and the root, every micro-batch.
+  Only the part of a collective its CollectiveModel says compute can hide is hidden (a
+  calibrated CPU host measures it: gloo shares the ranks' cores; NCCL: all). The gradient
+  copies around them (flatten, divide, bucket copies) are memory-bound passes, counted in
+  compute_memory_bound and kernel_floors.
+- overlap contention: compute under an overlapped collective runs on the SMs NCCL's channels
+  leave it (sm_share), so a phase takes max(its compute + the share x the overlapped seconds +
+  its exposed edges, its collectives); the term is what that adds (overlapped).
 - Pa: each layer's checkpoint all-gathered over the TP group before its recomputation; Pa+cpu:
   its partition to the host in forward and back in backward over PCIe; exposed.
 - optimizer: Adam with fp32 masters, memory bound: per parameter updated (Ψ at stage 0, Ψ/N at
@@ -51,11 +60,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from math import ceil
 
-from experiments.analysis.flops import model_flops_per_iteration
+from experiments.analysis.flops import layer_weights, model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
 from experiments.analysis.kernels import ATTENTION_DROPOUT, ComputeTime, LayerShape, compute_time
 from experiments.analysis.layers import LAYERS, step_kernels
-from experiments.analysis.nccl import Nccl, concurrent_groups
+from experiments.analysis.nccl import Nccl, concurrent_groups, nodes_of
 from experiments.analysis.systems import (RNG_STATE_BYTES, RNG_STATE_COPIES, SYSTEMS, DpPlan, System, dp_plan,
                                           optimizer_bytes_per_param, parameter_tensors, record_plan)
 
@@ -97,7 +106,7 @@ class StepInputs:
     rmsnorm: bool = False
     rotary: bool = False
     tied: bool = True
-    attention: str | None = None     # "unfused" or attention.IMPLEMENTATIONS; None: the system's
+    attention: str | None = None     # "unfused" or a kernel of attention.MEASURED; None: the system's
     reduce_bytes: int | None = None  # bytes per gradient element reduced (FSDP's reduce dtype); None: element_bytes
 
     @property
@@ -158,8 +167,10 @@ def _collective(hw: Hardware, kind: str, nbytes: float, group: tuple[int, int, i
 # -- terms ------------------------------------------------------------------------------------
 def flops_per_gpu(x: StepInputs) -> float:
     """Model FLOPs one GPU executes per optimizer step, Eq. 3 (its replica's, split over TP)."""
+    weights = layer_weights(x.hidden, x.heads, x.kv_heads or None, x.ffn_hidden or None, x.swiglu)
     return model_flops_per_iteration(batch=x.micro_batch * x.grad_accum, seq_len=x.seq_len, layers=x.layers,
-                                     hidden=x.hidden, vocab=x.vocab, recompute=x.recompute) / x.tp
+                                     hidden=x.hidden, vocab=x.vocab, recompute=x.recompute,
+                                     weights_per_layer=weights) / x.tp
 
 
 def resolve_system(system: str | System) -> System:
@@ -245,8 +256,9 @@ def host_windows(x: StepInputs, hw: Hardware, system: System) -> dict[str, float
     (every kernel at host_s_per_kernel, every TP all-reduce call at host_s_per_collective and its
     NCCL time) through window_s; returns the host, device and wall seconds, and `exposed_s`,
     wall - device: the time the GPU waits for the host."""
-    forward, backward, head_fwd, head_bwd = LAYERS[system.layer]
-    shape, fraction = x.shape(), half_load_fraction(x, system)
+    layer, shape = layer_shape(x, system)
+    forward, backward, head_fwd, head_bwd = LAYERS[layer]
+    fraction = half_load_fraction(x, system)
     group = tp_group(x, hw)
 
     def launches(kernels: list) -> list[tuple[float, float]]:
@@ -314,7 +326,8 @@ def optimizer_s(x: StepInputs, hw: Hardware, system: str | System | None = None)
         return updated * optimizer_bytes_per_param(x.element_bytes) / hw.stream_bytes_per_s
     step = sys.optimizer(x.element_bytes, x.stage)
     tensors = parameter_tensors(x.layers)
-    updated_tensors = ceil(tensors / x.dp) if partitioned else tensors
+    # FSDP shards every tensor over every rank: each holds a piece of each
+    updated_tensors = ceil(tensors / x.dp) if partitioned and not sys.fsdp else tensors
     half = half_load_fraction(x, sys)
 
     def seconds(passes: dict[str, int], elements: float) -> float:
@@ -359,58 +372,80 @@ def hideable(hw: Hardware, calls: tuple[tuple[str, float], ...], seconds: list[f
 
 def sm_share(hw: Hardware, group: tuple[int, int, int]) -> float:
     """The fraction of the GPU's SMs a collective over `group` occupies while it runs: NCCL runs
-    one CUDA block, on one SM, per channel ("reducing the number of channels also reduces the
-    number of CUDA blocks used for communication, hence the impact on GPU computing resources":
-    NCCL user guide, NCCL_MAX_NCHANNELS), nChannels as NCCL's tuner has them (nccl.Nccl.bus);
-    0 where the collectives are not NCCL's (a calibrated CPU host measures its own overlap)."""
+    one CUDA block per channel ("reducing the number of channels also reduces the number of CUDA
+    blocks used for communication, hence the impact on GPU computing resources": NCCL user guide,
+    NCCL_MAX_NCHANNELS), each taken to hold one SM [assumption: NCCL's blocks may share an SM with
+    compute], over the channels NCCL's tuner model counts (nccl.Nccl.bus: a GPU's NVLinks on one
+    node, the node's NICs across nodes) [assumption: NCCL's graph search may open more, e.g. 24 on
+    an NVSwitch A100 node, NVIDIA/nccl-tests#100]; 0 where the collectives are not NCCL's (a
+    calibrated CPU host measures its own overlap)."""
     ranks, per_node, concurrent = group
     sms = getattr(hw.gemm, "sms", None)
     if ranks <= 1 or sms is None or not isinstance(hw.collectives, Nccl):
         return 0.0
-    nodes = ceil(ranks / max(1, min(ranks, per_node)))
-    return min(1.0, hw.collectives.bus(ranks, nodes, max(1, concurrent))[1] / sms)
+    return min(1.0, hw.collectives.bus(ranks, nodes_of(ranks, per_node), max(1, concurrent))[1] / sms)
+
+
+def overlapped(compute: float, comm: float, edge: float, share: float) -> tuple[float, float]:
+    """(exposed, contention) seconds of collectives taking `comm` seconds in all, issued under
+    `compute` seconds of kernels on one stream's order: `edge` of them (the first gather, the last
+    reduction) have nothing to hide under, the rest hides where the compute lasts long enough:
+    exposed = max(edge, comm - compute). While they overlap, the compute runs on the SMs NCCL
+    leaves it (sm_share): the phase takes max(compute + share x the overlapped seconds + edge,
+    comm), and contention is what that adds (0 where the collectives are the longer: the slowed
+    compute still ends under them)."""
+    if comm <= 0:
+        return 0.0, 0.0
+    exposed = max(edge, comm - compute)
+    slowed = max(compute + share * min(comm - edge, compute) + edge, comm)
+    return exposed, max(0.0, slowed - (compute + exposed))
 
 
 def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str, ComputeTime]) -> dict[str, float]:
-    """Raw and exposed DP seconds per step under the system's overlap (module docstring). Of a
-    collective issued under compute only its hideable part (hideable) can hide; the rest adds."""
+    """Raw and exposed DP seconds per step under the system's overlap (module docstring), and the
+    contention overlapped collectives add to their compute (overlapped). Of a collective issued
+    under compute only its hideable part (hideable) can hide; the rest adds. Gathers and
+    reductions run in issue order on one stream: the forward's gathers hide under the forward's
+    compute only, the backward's gathers and the reductions under the recomputed forward and the
+    backward."""
     p, group, sys = plan(x, system), dp_group(x, hw), resolve_system(system)
+    share = sm_share(hw, group)
     overlap = sys.overlap if x.overlap is None else x.overlap
     grads = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.grad_calls]
     after_calls = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_after_step]
     after = sum(after_calls)
     hid_grads, core_grads = hideable(hw, p.grad_calls, grads, group)
     hid_after, core_after = hideable(hw, p.param_calls_after_step, after_calls, group)
+    forward = phases["forward"].total_s
+    backward = phases["recompute"].total_s + phases["backward"].total_s
     # waited on by the next forward's modules: hidden behind its compute but the first bucket's (the embeddings')
-    exposed_after = core_after + max(hid_after[0], sum(hid_after) - phases["forward"].total_s) \
-        if after_calls and sys.param_gather_overlap and overlap else after
+    exposed_after, contention_after = after, 0.0
+    if after_calls and sys.param_gather_overlap and overlap:
+        exposed_after, contention_after = overlapped(forward, sum(hid_after), hid_after[0], share)
+        exposed_after += core_after
     gathers = [_collective(hw, kind, nbytes, group) for kind, nbytes in p.param_calls_per_micro_batch]
     hid_gathers, core_gathers = hideable(hw, p.param_calls_per_micro_batch, gathers, group)
-    backward = phases["recompute"].total_s + phases["backward"].total_s
-    micro = backward + phases["forward"].total_s
-    if gathers:   # stage 3: gathers prefetched and gradients reduced under the micro-batch's compute
-        hidden_under = micro if overlap else micro - backward
-        exposed_grads = sum(grads) if not overlap else core_grads
-        under = sum(hid_gathers) + (sum(hid_grads) if overlap else 0.0)
-        first_last = hid_gathers[0] + (hid_grads[-1] if overlap and grads else 0.0)
-        per_micro = exposed_grads + core_gathers + max(first_last, under - hidden_under)
-        overlapped = min(under - first_last, hidden_under)
+    # a reduction's last call cannot hide; a unit per call (FSDP): the first unit's too, the root's
+    # reduced after it with only the embedding's backward between
+    last_grads = (hid_grads[-2:] if sys.fsdp else hid_grads[-1:]) if overlap and grads else []
+    if gathers:   # stage 3: each phase's gathers prefetched under its compute, the first two not
+        nf = p.forward_gathers
+        exp_f, con_f = overlapped(forward, sum(hid_gathers[:nf]), sum(hid_gathers[:min(2, nf)]), share)
+        if overlap:
+            exp_b, con_b = overlapped(backward, sum(hid_gathers[nf:]) + sum(hid_grads), sum(last_grads), share)
+        else:   # gradients reduced after backward, the backward's gathers waited on
+            exp_b, con_b = sum(hid_gathers[nf:]) + sum(hid_grads), 0.0
+        per_micro, contention = core_gathers + core_grads + exp_f + exp_b, con_f + con_b
+    elif grads and overlap:
+        exposed, contention = overlapped(backward, sum(hid_grads), sum(last_grads), share)
+        per_micro = core_grads + exposed
     else:
-        per_micro = (core_grads + max(hid_grads[-1], sum(hid_grads) - backward) if overlap else sum(grads)) \
-            if grads else 0.0
-        overlapped = min(sum(hid_grads) - hid_grads[-1], backward) if overlap and grads else 0.0
-    if after_calls and sys.param_gather_overlap and overlap:
-        overlapped_after = min(sum(hid_after) - hid_after[0], phases["forward"].total_s)
-    else:
-        overlapped_after = 0.0
+        per_micro, contention = sum(grads), 0.0
     reductions = p.grad_reductions if (grads or gathers) else 0
-    # compute under a collective runs on the SMs NCCL leaves it: (1 - share) of its rate while
-    # they overlap, so the step is longer by the overlapped seconds x the share (sm_share)
-    share = sm_share(hw, group)
-    contention = share * (max(0.0, overlapped) * reductions + max(0.0, overlapped_after))
     return {"grad_s": sum(grads) * p.grad_reductions, "param_s": after + sum(gathers) * x.grad_accum,
             "exposed_s": per_micro * reductions + exposed_after, "after_step_s": after,
-            "after_step_exposed_s": exposed_after, "contention_s": contention, "sm_share": share,
+            "after_step_exposed_s": exposed_after, "contention_s": contention * reductions + contention_after,
+            "sm_share": share,
             "copy": ComputeTime(memory_bound_s=p.copy_bytes / (hw.stream_bytes_per_s * half_load_fraction(x, system))
                                 * p.grad_reductions,
                                 floors_s=p.copy_kernels * hw.kernel_floor_s * p.grad_reductions)}

@@ -227,29 +227,34 @@ def megatron_float16_optimizer(e: int, stage: int) -> OptimizerStep:
                          kernels_per_updated_tensor=1, kernels_per_step=12)
 
 
-# An Adam step written as torch ops, one pass each (torch.optim.AdamW's foreach path and
-# Composer's DecoupledAdamW alike: composer/optim/decoupled_weight_decay.py): the decoupled decay
-# param.mul_, exp_avg.mul_ and add_, exp_avg_sq.mul_ and addcmul_, the denominator's sqrt, division
-# and add_, param.addcdiv_; bytes per fp32 element each pass reads and writes.
-UNFUSED_ADAMW_PASSES = {"weight decay: param.mul_": 8, "exp_avg.mul_": 8, "exp_avg.add_(grad)": 12,
-                        "exp_avg_sq.mul_": 8, "exp_avg_sq.addcmul_(grad, grad)": 12, "sqrt": 8,
-                        "divide by the bias correction": 8, "add eps": 8, "param.addcdiv_": 16}
+# An Adam step written as torch ops, one pass each, bytes per fp32 element each pass reads and
+# writes: the second moment (exp_avg_sq.mul_, addcmul_), the denominator (sqrt, the division by the
+# bias correction, eps added) and param.addcdiv_; the first moment and the decay by optimizer below.
+ADAM_SECOND_MOMENT_AND_UPDATE_PASSES = {"exp_avg_sq.mul_": 8, "exp_avg_sq.addcmul_(grad, grad)": 12, "sqrt": 8,
+                                        "divide by the bias correction": 8, "add eps": 8, "param.addcdiv_": 16}
 
 
 def composer_adamw(e: int, stage: int) -> OptimizerStep:
-    """Composer's step under FSDP1 (llm-foundry's MPT configs: decoupled_adamw, gradient clipping
-    by norm): FSDP's clip_grad_norm_ (each sharded gradient's norm read, the norms all-reduced, the
-    gradients multiplied by the clip coefficient) and DecoupledAdamW's passes (UNFUSED_ADAMW_PASSES),
-    a Python loop over the flat parameters (one per FSDP unit), in fp32: FSDP keeps the shards and
-    their gradients in the parameters' fp32 whatever the compute dtype."""
-    passes = {"clip: gradient norm": 4, "clip: gradient multiply": 8, **UNFUSED_ADAMW_PASSES}
-    return OptimizerStep({}, passes, kernels_per_updated_tensor=2 + len(UNFUSED_ADAMW_PASSES), kernels_per_step=4)
+    """Composer's step under FSDP1 (llm-foundry's MPT configs: decoupled_adamw with weight decay
+    0, gradient clipping by norm): FSDP's clip_grad_norm_ (each sharded gradient's norm read, the
+    clip coefficient multiplied in) and DecoupledAdamW's per-tensor ops (composer/optim/
+    decoupled_weight_decay.py: exp_avg.mul_ and add_, then ADAM_SECOND_MOMENT_AND_UPDATE_PASSES;
+    no decay pass at weight decay 0), in fp32: FSDP keeps the shards and their gradients in the
+    parameters' fp32 whatever the compute dtype. Kernels: per tensor the clip's norm and multiply
+    and the 8 ops; per step the norms' sum, its all-reduce, the coefficient [assumption: 4]."""
+    passes = {"clip: gradient norm": 4, "clip: gradient multiply": 8, "exp_avg.mul_": 8, "exp_avg.add_(grad)": 12,
+              **ADAM_SECOND_MOMENT_AND_UPDATE_PASSES}
+    return OptimizerStep({}, passes, kernels_per_updated_tensor=2 + 2 + len(ADAM_SECOND_MOMENT_AND_UPDATE_PASSES),
+                         kernels_per_step=4)
 
 
 def torch_adamw(e: int, stage: int) -> OptimizerStep:
-    """torch.optim.AdamW with its defaults on CUDA (the foreach path: a multi-tensor launch per
-    pass, UNFUSED_ADAMW_PASSES), as `make bench` steps FSDP2: no clipping."""
-    return OptimizerStep({}, dict(UNFUSED_ADAMW_PASSES), kernels_per_step=len(UNFUSED_ADAMW_PASSES))
+    """torch.optim.AdamW with its defaults on CUDA (weight decay 0.01; the foreach path, one
+    multi-tensor launch a pass: torch/optim/adamw.py, _multi_tensor_adamw): param.mul_ for the
+    decay, exp_avg.lerp_, then ADAM_SECOND_MOMENT_AND_UPDATE_PASSES, as `make bench` steps FSDP2: no
+    clipping."""
+    passes = {"weight decay: param.mul_": 8, "exp_avg.lerp_(grad)": 12, **ADAM_SECOND_MOMENT_AND_UPDATE_PASSES}
+    return OptimizerStep({}, passes, kernels_per_step=len(passes))
 
 
 # Megatron-DeepSpeed 2023 on PyTorch 2.0.1 (the development set's stack, step_time.host_windows):
@@ -358,7 +363,9 @@ SYSTEMS = {
     "llm_foundry_fsdp1": System("llm_foundry_fsdp1", "llm-foundry MPT on FSDP1 (Composer)", (2, 3), True, 0,
                                 "llm-foundry's benchmarks (scripts/train/benchmarking): Composer's FSDP1 with one unit "
                                 "per MPT block and the root, FULL_SHARD (stage 3) or SHARD_GRAD_OP (2), "
-                                "limit_all_gathers, forward prefetch, BACKWARD_PRE, bf16 parameters, gradients "
+                                "limit_all_gathers, each unit's gather prefetched under the compute before it "
+                                "[assumption: the A100 rows' Composer defaults, BACKWARD_POST and no forward "
+                                "prefetch, leave the host running ahead to issue them], bf16 parameters, gradients "
                                 "reduce-scattered in bf16 (PURE) or fp32 (DEFAULT), every micro-batch; the Triton flash "
                                 "attention; flash-attn's fused cross entropy (loss_fn: fused_crossentropy); "
                                 "DecoupledAdamW with gradient clipping; PyTorch 1.13.1 or 2.1 with NCCL 2.14.3's tuner "
@@ -390,6 +397,7 @@ class DpPlan:
     param_calls_per_micro_batch: tuple[tuple[str, float], ...]
     copy_bytes: float
     copy_kernels: int
+    forward_gathers: int = 0    # of param_calls_per_micro_batch, the first this many run in forward
 
 
 def _chunks(total: float, size: float) -> list[float]:
@@ -426,15 +434,21 @@ def fsdp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, e
     parameters after forward: `_post_forward`); each unit's gradient reduce-scattered when its
     backward ends (in the reduce dtype), the root's last. Around each: the gradient cast to the
     reduce dtype where it differs, divided before the reduce-scatter and its shard after
-    (`_get_gradient_predivide_factor`: both divisions at any DP degree > 2), 3 kernels a unit."""
+    (`_get_gradient_predivide_factor`: both divisions at any DP degree > 2), the shard cast to the
+    parameters' fp32 and summed into the saved shard (`_cast_grad_to_param_dtype`,
+    `_saved_grad_shard`); 3 kernels a unit [assumption: the casts and the sum not counted as kernels]."""
     e, r = element_bytes, reduce_bytes
     unit = (psi - root) / layers
     grads = [("reduce_scatter", unit * r)] * layers + ([("reduce_scatter", root * r)] if root else [])
     gathers = ([("all_gather", root * e)] if root else []) + [("all_gather", unit * e)] * layers
     if stage == 3:
         gathers += [("all_gather", unit * e)] * layers
-    copies = psi * (2 * e + (e + r if r != e else 0)) + psi / dp * 2 * r
-    return DpPlan(tuple(grads), grad_accum, (), tuple(gathers), copies, 3 * (layers + (1 if root else 0)))
+    # the cast to the reduce dtype (e in, r out) where they differ and the division of the result
+    # (2r); on the shard the division (2r), its cast to fp32 (r + 4) and its sum into the saved
+    # shard (12)
+    copies = psi * (2 * r + (e + r if r != e else 0)) + psi / dp * (2 * r + (r + 4 if r != 4 else 0) + 12)
+    return DpPlan(tuple(grads), grad_accum, (), tuple(gathers), copies, 3 * (layers + (1 if root else 0)),
+                  forward_gathers=(1 if root else 0) + layers)
 
 
 def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, element_bytes: int,
@@ -475,10 +489,12 @@ def dp_plan(system: System, *, psi: float, dp: int, stage: int, layers: int, ele
             # larger than a bucket is a bucket of its own, layout.build_buckets), the layers' after
             first = [root] if root > reduce_bucket else []
             after = [("all_gather", b * e) for b in first + _chunks(psi - sum(first), allgather_bucket)]
-        if stage == 3:   # each layer in forward and backward; the root too, or once where it is kept
-            per_micro = [("all_gather", (psi - root) / layers * e)] * (2 * layers)
-            if root:
-                per_micro = [("all_gather", root * e)] * (1 if system.stage3_keeps_root else 2) + per_micro
+        if stage == 3:   # each layer in forward and backward; the root first, and last again unless kept
+            layer = [("all_gather", (psi - root) / layers * e)] * layers
+            first = [("all_gather", root * e)] if root else []
+            per_micro = first + layer + layer + (first if not system.stage3_keeps_root else [])
+            return DpPlan(tuple(grads), reductions, tuple(after), tuple(per_micro), copies, kernels,
+                          forward_gathers=len(first) + layers)
     return DpPlan(tuple(grads), reductions, tuple(after), tuple(per_micro), copies, kernels)
 
 
@@ -499,5 +515,7 @@ def record_plan(system: System, by_purpose: dict, stage: int, grad_accum: int, e
     grad_calls = calls(grads, "all_reduce" if stage == 0 else "reduce_scatter", reductions, stage == 0)
     param_calls = calls(params, "all_gather", grad_accum if stage == 3 else 1, False)
     copies = system.grad_copy_passes * 2 * psi * element_bytes if grad_calls else 0.0
+    # the counts do not say which gathers ran in forward: half of them, as a layer's two
     return DpPlan(grad_calls, reductions, param_calls if stage in (1, 2) else (),
-                  param_calls if stage == 3 else (), copies, grad_copy_kernels(system, layers) if grad_calls else 0)
+                  param_calls if stage == 3 else (), copies, grad_copy_kernels(system, layers) if grad_calls else 0,
+                  forward_gathers=ceil(len(param_calls) / 2) if stage == 3 else 0)

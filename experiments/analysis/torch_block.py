@@ -100,7 +100,7 @@ def _rotary(name: str, x: LayerShape, passes: int) -> list[Kernel]:
 
 def block_forward(x: LayerShape) -> list[Kernel]:
     """One block's forward (and its recomputation): module docstring."""
-    T, h, t, e = x.tokens, x.hidden, x.tp, x.element_bytes
+    T, h, e = x.tokens, x.hidden, x.element_bytes
     rep = T * h
     q, qkv, fc1, fc2_in = _widths(x)
     activation = [elementwise("SiLU", T * fc2_in, 1, 1, e), elementwise("gate multiply", T * fc2_in, 2, 1, e)] \
@@ -126,7 +126,7 @@ def block_forward(x: LayerShape) -> list[Kernel]:
 
 def block_backward(x: LayerShape) -> list[Kernel]:
     """One block's backward (module docstring)."""
-    T, h, t, e = x.tokens, x.hidden, x.tp, x.element_bytes
+    T, h, e = x.tokens, x.hidden, x.element_bytes
     rep = T * h
     q, qkv, fc1, fc2_in = _widths(x)
     activation = [elementwise("gate multiply bwd", T * fc2_in, 3, 2, e, count=2),

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from experiments import records
-from experiments.analysis.flops import model_flops_per_iteration, recompute_factor
+from experiments.analysis.flops import layer_weights, model_flops_per_iteration, recompute_factor
 from experiments.analysis.memory import predicted_for_engine
 from experiments.launch import RankFailed
 from experiments.models.gpt_shape import padded_vocab_size, parameter_count
@@ -26,7 +26,9 @@ def build_record(point: Point, precision: str, launcher: str, status: str, resul
     recompute = point.train["recompute"]
     flops = model_flops_per_iteration(batch=point.global_batch, seq_len=shape.seq_len, layers=shape.layers,
                                       hidden=shape.hidden, vocab=padded_vocab_size(shape.vocab_size, point.tp),
-                                      recompute=recompute)
+                                      recompute=recompute,
+                                      weights_per_layer=layer_weights(shape.hidden, shape.heads, shape.kv_heads,
+                                                                      shape.ffn_hidden, shape.mlp == "swiglu"))
     record = {
         "status": status, "experiment": point.experiment, "point_id": point.point_id,
         "config": {**point.as_dict(), "precision_resolved": precision, "launcher": launcher},

@@ -76,31 +76,44 @@ def test_fsdp_gathers_each_unit_and_reduce_scatters_it_every_micro_batch():
     # DEFAULT mixed precision reduces in fp32: twice the bytes, and the cast to fp32 before it
     fp32 = systems.dp_plan(fsdp, stage=3, reduce_bytes=4, **common)
     assert [b for _, b in fp32.grad_calls] == [2 * b for _, b in full.grad_calls]
-    # copies: the division of the whole gradient (2 + 2 B), the cast (2 in, 4 out), the shard's division
-    assert full.copy_bytes == pytest.approx(1e9 * 4 + 1e9 / 8 * 4)
-    assert fp32.copy_bytes == pytest.approx(1e9 * (4 + 6) + 1e9 / 8 * 8)
+    # copies: the division of the whole gradient (2 + 2 B, 4 + 4 in fp32), the cast (2 in, 4 out);
+    # on the shard its division, its cast to fp32 (2 in, 4 out: none from fp32), its sum (12)
+    assert full.copy_bytes == pytest.approx(1e9 * 4 + 1e9 / 8 * (4 + 6 + 12))
+    assert fp32.copy_bytes == pytest.approx(1e9 * (8 + 6) + 1e9 / 8 * (8 + 12))
+    assert full.forward_gathers == 11
     assert full.copy_kernels == 3 * 11
 
 
-def test_fsdp_hides_all_but_the_first_gather_and_the_last_reduce_scatter():
+def test_fsdp_hides_each_phases_collectives_under_that_phases_compute_but_its_edges():
     x = inputs(tp=1, dp=8, stage=3, grad_accum=2, psi=1e9)
     fsdp = systems.SYSTEMS["llm_foundry_fsdp1"]
     hw = st.system_hardware(replace(HW, compute_capability=80), fsdp)   # the flash kernel's A100 rates
     phases = st.micro_batch_compute(x, hw, fsdp)
-    micro = sum(p.total_s for p in phases.values())
+    forward = phases["forward"].total_s
+    backward = phases["recompute"].total_s + phases["backward"].total_s
     plan = st.plan(x, fsdp)
     t = lambda calls: [1e-6 + b / 10e9 for _, b in calls]  # noqa: E731   the flat collective
     gathers, grads = t(plan.param_calls_per_micro_batch), t(plan.grad_calls)
     dp = st.dp_comm(x, hw, fsdp, phases)
-    # per micro-batch: the root's gather and the root's reduce-scatter (the last) cannot hide;
-    # the rest hides under the micro-batch's compute where it fits
-    exposed = max(gathers[0] + grads[-1], sum(gathers) + sum(grads) - micro)
-    assert dp["exposed_s"] == pytest.approx(2 * exposed)
+    # one stream in issue order: the forward's 11 gathers (the root's and the first block's with
+    # nothing to hide under) under the forward; the backward's 10 and the 11 reduce-scatters (the
+    # first block's and the root's last) under the recomputed forward and the backward
+    exposed_f = max(gathers[0] + gathers[1], sum(gathers[:11]) - forward)
+    exposed_b = max(grads[-2] + grads[-1], sum(gathers[11:]) + sum(grads) - backward)
+    assert dp["exposed_s"] == pytest.approx(2 * (exposed_f + exposed_b))
     # a flat collective is not NCCL's: no SMs taken from compute
-    assert dp["contention_s"] == 0.0
+    assert dp["contention_s"] == 0.0 and dp["sm_share"] == 0.0
 
 
-def test_overlapped_collectives_take_ncclS_channels_from_the_sms():
+def test_overlapped_compute_runs_on_the_sms_nccl_leaves_it():
+    # compute-bound: 10 s of compute under 4 s of collectives, 1 of them at the edges, 10% of the
+    # SMs: the 3 overlapped seconds slow it by 0.3 s
+    assert st.overlapped(10.0, 4.0, 1.0, 0.1) == (pytest.approx(1.0), pytest.approx(0.3))
+    # collective-bound: 12 s of collectives over 10 s of compute: the slowed compute (11 s + the
+    # 1 s edge) still ends under them: nothing added
+    assert st.overlapped(10.0, 12.0, 1.0, 0.1) == (pytest.approx(2.0), pytest.approx(0.0))
+    # in between: 11.5 s of collectives; the slowed compute ends at 10 + 1 + 1 = 12 s
+    assert st.overlapped(10.0, 11.5, 1.0, 0.1) == (pytest.approx(1.5), pytest.approx(0.5))
     a100 = profile("dgx_a100")
     x = inputs(tp=1, dp=8, stage=3, grad_accum=1, psi=1e9, hidden=2048, heads=16, seq_len=2048, layers=24)
     fsdp = systems.SYSTEMS["llm_foundry_fsdp1"]
@@ -110,13 +123,14 @@ def test_overlapped_collectives_take_ncclS_channels_from_the_sms():
     assert share == pytest.approx(12 / 108)
     phases = st.micro_batch_compute(x, hw, fsdp)
     dp = st.dp_comm(x, hw, fsdp, phases)
-    plan = st.plan(x, fsdp)
-    group = st.dp_group(x, hw)
+    plan, group = st.plan(x, fsdp), st.dp_group(x, hw)
     gathers = [st._collective(hw, k, b, group) for k, b in plan.param_calls_per_micro_batch]
     grads = [st._collective(hw, k, b, group) for k, b in plan.grad_calls]
-    micro = sum(p.total_s for p in phases.values())
-    overlapped = min(sum(gathers) + sum(grads) - gathers[0] - grads[-1], micro)
-    assert dp["contention_s"] == pytest.approx(share * overlapped) and dp["contention_s"] > 0
+    forward = phases["forward"].total_s
+    backward = phases["recompute"].total_s + phases["backward"].total_s
+    _, con_f = st.overlapped(forward, sum(gathers[:25]), gathers[0] + gathers[1], share)
+    _, con_b = st.overlapped(backward, sum(gathers[25:]) + sum(grads), grads[-2] + grads[-1], share)
+    assert dp["contention_s"] == pytest.approx(con_f + con_b) and dp["contention_s"] > 0
     p = st.predict(x, a100, fsdp)
     assert p.terms["overlap_contention"] == pytest.approx(dp["contention_s"])
     # a system that overlaps nothing pays nothing
@@ -128,11 +142,16 @@ def test_fsdp_optimizer_steps_the_shard_in_fp32_pass_by_pass():
     x = inputs(tp=1, dp=8, stage=3, psi=8e8, layers=10)
     step = systems.composer_adamw(2, 3)
     per_element = sum(step.updated_passes.values())
-    assert per_element == 4 + 8 + 8 + 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16   # clip (norm, multiply), DecoupledAdamW's 9
-    kernels = systems.parameter_tensors(10) // 8 + 1   # ceil(124 / 8) tensors updated on this rank
-    kernels = kernels * (2 + 9) + 4
-    expected = 1e8 * per_element / 500e9 + kernels * 10e-6
+    # the clip (norm 4, multiply 8), exp_avg (mul_ 8, add_ 12), exp_avg_sq (mul_ 8, addcmul_ 12),
+    # sqrt, bias correction, eps (8 each), addcdiv_ 16; no decay at weight decay 0
+    assert per_element == 4 + 8 + 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16
+    # FSDP shards every one of the 124 tensors over every rank: 124 x (2 + 8) kernels and 4 a step
+    expected = 1e8 * per_element / 500e9 + (124 * 10 + 4) * 10e-6
     assert st.optimizer_s(x, HW, "llm_foundry_fsdp1") == pytest.approx(expected)
+    # torch's foreach AdamW (FSDP2 in make bench): the decay and lerp_, one launch a pass
+    torch_step = systems.torch_adamw(2, 3)
+    assert sum(torch_step.updated_passes.values()) == 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16
+    assert torch_step.kernels_per_step == 8 and torch_step.kernels_per_updated_tensor == 0
 
 
 def test_the_mpt_head_with_flash_attn_s_fused_cross_entropy():
