@@ -4,6 +4,7 @@ fast each will go (experiments/sweeps/plan.py does the work).
     python experiments/plan.py model=gpt_7b cluster=dgx2_v100 gpus=8
     python experiments/plan.py model=gpt_7b cluster=dgx_h100 gpus=8 global_batch=256
     python experiments/plan.py model.layers=40 model.hidden=5120 model.heads=40 cluster=dgx_h100 gpus=64
+    python experiments/plan.py model=llama3_8b cluster=dgx_h100 gpus=8     # GQA, SwiGLU, RMSNorm, rope, untied
     python experiments/plan.py cluster=local device_memory_gb=24 gpus_per_node=4 gpus=8   # no profile: memory only
     python experiments/plan.py deepspeed_config=conf/deepspeed/zero2_fp16.json gpus=8                      # what the JSON sets is fixed
 

@@ -100,7 +100,7 @@ def shaped_model(model: dict) -> dict:
     if name not in available_models():
         return model
     base = load_model(name)
-    changed = [key for key in SHAPE_KEYS if model[key] != base[key]]
+    changed = [key for key in SHAPE_KEYS if model.get(key, LATER_MODEL_DEFAULTS.get(key)) != base[key]]
     if not changed:
         return model
     return dict(model, name=name + "@" + "-".join(f"{key}{model[key]}" for key in changed), label="")

@@ -186,3 +186,40 @@ def test_llama3_8b_simulates_and_plans(tmp_path):
     assert plan.returncode == 0, plan.stderr
     assert "**Plan: llama3_8b (8.03B parameters) on 8 GPUs of dgx_h100**" in plan.stdout
     assert "model=llama3_8b stage=" in plan.stdout   # its rows' commands start from the config
+
+
+# -- layer specs --------------------------------------------------------------------------------
+def test_rmsnorm_local_spec_names_torch_norms_and_leaves_megatrons_global_alone(monkeypatch):
+    """megatron's local RMSNorm spec sets backends.LNImpl, which every later LayerNorm spec would
+    take (where Apex imports, its FusedLayerNorm): restored; the final norm is the layers' own
+    (megatron's default final norm is Apex's, which refuses RMSNorm)."""
+    from megatron.core.models import backends
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from experiments.models.megatron_gpt import gpt_layer_spec
+    sentinel = type("FusedLayerNormStandIn", (), {})
+    monkeypatch.setattr(backends, "LNImpl", sentinel)
+    spec = gpt_layer_spec("local", dataclasses.replace(BASE, layers=3, norm="rmsnorm"))
+    assert backends.LNImpl is sentinel
+    assert len(spec.layer_specs) == 3 and spec.layer_norm is WrappedTorchNorm
+    assert spec.layer_specs[0].submodules.input_layernorm is WrappedTorchNorm
+    assert gpt_layer_spec("local", BASE) == gpt_layer_spec("local")   # LayerNorm: megatron's spec, as before
+
+
+def test_transformer_engine_spec_takes_the_choices_from_the_config(monkeypatch):
+    """TE's modules read normalization, num_query_groups, gated_linear_unit and add_bias_linear
+    from the TransformerConfig: the spec is TE's own for every shape."""
+    import types
+    from megatron.core.models.gpt import gpt_layer_specs
+    from experiments.models.megatron_gpt import gpt_layer_spec, transformer_config
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    te_spec = object()
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda *a, **k: te_spec)
+    llama = dataclasses.replace(BASE, ffn_hidden=96, kv_heads=2, bias=False, position="rope", mlp="swiglu",
+                                norm="rmsnorm", tie_embeddings=False)
+    assert gpt_layer_spec("transformer_engine", llama) is te_spec
+    config = transformer_config(llama, 1, False, torch.float32)
+    assert (config.normalization, config.num_query_groups, config.ffn_hidden_size, config.gated_linear_unit,
+            config.activation_func, config.add_bias_linear) == ("RMSNorm", 2, 96, True, torch.nn.functional.silu, False)
+    default = transformer_config(BASE, 1, False, torch.float32)
+    assert (default.normalization, default.num_query_groups, default.ffn_hidden_size, default.gated_linear_unit,
+            default.add_bias_linear) == ("LayerNorm", 4, 256, False, True)
