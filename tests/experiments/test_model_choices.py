@@ -223,3 +223,20 @@ def test_transformer_engine_spec_takes_the_choices_from_the_config(monkeypatch):
     default = transformer_config(BASE, 1, False, torch.float32)
     assert (default.normalization, default.num_query_groups, default.ffn_hidden_size, default.gated_linear_unit,
             default.add_bias_linear) == ("LayerNorm", 4, 256, False, True)
+
+
+def test_a_plans_folder_names_the_choices_off_its_model_config():
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from experiments.points import CONF_DIR
+    from experiments.schema import register
+    from experiments.sweeps.plan import plan_name
+    register()
+
+    def name(*overrides):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="plan", overrides=["model=gpt_7b", "cluster=dgx_h100", *overrides])
+            return plan_name(cfg, "dgx_h100", "gpt_7b")
+    assert name() == "gpt_7b-dgx_h100-g8"
+    assert name("model.mlp=swiglu", "model.kv_heads=8") == "gpt_7b-l32-h4096-a32-s1024-kv_heads8-mlpswiglu-dgx_h100-g8"
