@@ -156,9 +156,9 @@ def scorecard(records: list[dict]) -> pd.DataFrame:
                  + f"; step-time ratio between TP degrees of a run, error median {pairs.median_error:.3f}, p90 "
                    f"{pairs.p90_error:.3f}; fastest TP right in {round(model.fraction * model.rows)} of {model.rows} "
                    f"families, as 'the smallest TP' is in {round(rule.fraction * rule.rows)}; its host cost per "
-                   f"kernel ({host['host_us_per_kernel']:.1f} us) is derived from the development set's small rows: "
-                   f"a layer's {host['layer_slope_ms_tp1']:.3f} ms, {timed['ratio']:.2f}x the host time of megatron-core's "
-                   f"layer timed on a CPU ({timed['layer_ms']:.3f} ms), "
+                   f"kernel is megatron-core's layer timed on a CPU ({timed['layer_ms']:.3f} ms) over the kernels "
+                   f"counted, none derived from these rows, whose small ones give a layer {host['layer_slope_ms_tp1']:.3f} "
+                   f"ms ({host['host_us_per_kernel']:.1f} us a kernel), {timed['ratio']:.2f}x it: "
                    f"{'within' if timed['passes'] else 'outside'} {validation.HOST_TIME_PLAUSIBLE_FACTOR}x", HOW["predicted"],
                  "validation_summary.md, validation.md, validation_host_constants.md"))
     rows += dev_set.scorecard_rows()   # each development-set file, its host constants left one source out
