@@ -48,10 +48,14 @@ def _bias_grad(name: str, elements: float, x: LayerShape) -> list[Kernel]:
     return [elementwise(name, elements, 1, 0, x.element_bytes)] if x.bias else []
 
 
-def _attention_forward(x: LayerShape) -> list[Kernel]:
-    T, e, s, t = x.tokens, x.element_bytes, x.seq_len, x.tp
+def _attention_sizes(x: LayerShape) -> tuple[int, int, int, int, int, int, int]:
+    """(tokens, element bytes, sequence, query width, QKV width, batched heads, head dimension)."""
     q, qkv, _, _ = _widths(x)
-    batch, d = x.micro_batch * x.heads // t, x.head_dim
+    return x.tokens, x.element_bytes, x.seq_len, q, qkv, x.micro_batch * x.heads // x.tp, x.head_dim
+
+
+def _attention_forward(x: LayerShape) -> list[Kernel]:
+    T, e, s, q, qkv, batch, d = _attention_sizes(x)
     if x.attention == "unfused":
         S = x.scores
         return [gemm("scores", s, s, d, e, batch),
@@ -60,13 +64,11 @@ def _attention_forward(x: LayerShape) -> list[Kernel]:
                 elementwise("q, k, v, context layout copies", T * (qkv + q), 1, 1, e, count=4)]
     call = AttentionCall(x.attention, d, s, causal=True, direction="forward")
     return [Kernel(f"fused attention forward ({x.attention})", flops=attention_flops(batch, s, d, True, "forward"),
-                   bytes=float(T * (qkv + q) * e + T * x.heads // t * 4), attention=call)]
+                   bytes=float(T * (qkv + q) * e + T * x.heads // x.tp * 4), attention=call)]
 
 
 def _attention_backward(x: LayerShape) -> list[Kernel]:
-    T, e, s, t = x.tokens, x.element_bytes, x.seq_len, x.tp
-    q, qkv, _, _ = _widths(x)
-    batch, d = x.micro_batch * x.heads // t, x.head_dim
+    T, e, s, q, qkv, batch, d = _attention_sizes(x)
     if x.attention == "unfused":
         S = x.scores
         return [elementwise("q, k, v, context layout copies bwd", T * (qkv + q), 1, 1, e, count=4),

@@ -127,6 +127,15 @@ def test_activation_recomputation_with_tp(stage):
     assert _max_diff(r["params"], ref["params"]) < TOL
 
 
+# The Llama / MPT choices (model.ffn_hidden, kv_heads, bias, position, mlp, norm,
+# tie_embeddings), alone and together, against megatron-core's own GPT on the meta device.
+LLAMA_TINY = GPTShape(layers=2, hidden=32, heads=4, seq_len=8, vocab_size=256, ffn_hidden=40, kv_heads=2, bias=False,
+                      position="rope", mlp="swiglu", norm="rmsnorm", tie_embeddings=False)
+CHOICES = [dict(ffn_hidden=40), dict(kv_heads=2), dict(bias=False), dict(position="rope"), dict(mlp="swiglu"),
+           dict(norm="rmsnorm"), dict(tie_embeddings=False),
+           dict(bias=False, position="learned", norm="layernorm", tie_embeddings=True, vocab_size=50368)]  # MPT's
+
+
 def _local_counts(shape: GPTShape, tp: int) -> dict:
     initialize_parallel(tp)
     with torch.device("meta"):
@@ -140,6 +149,9 @@ def _local_counts(shape: GPTShape, tp: int) -> dict:
     (GPTShape(layers=2, hidden=16, heads=4, seq_len=8, vocab_size=256), 2),
     (GPTShape(layers=48, hidden=1600, heads=16), 1),        # the paper's 1.5B (Figure 2)
     (GPTShape(layers=4, hidden=6144, heads=32), 2),         # 40B/60B width
+    (LLAMA_TINY, 2),
+    (GPTShape(layers=4, hidden=4096, heads=32, seq_len=8192, vocab_size=128256, ffn_hidden=14336, kv_heads=8,
+              bias=False, position="rope", mlp="swiglu", norm="rmsnorm", tie_embeddings=False), 2),  # Llama 3 8B's width
 ])
 def test_closed_form_count_matches_meta_device_build(shape, tp):
     counts = spawn(_local_counts, tp, shape, tp, timeout=120)
@@ -245,13 +257,6 @@ def test_tp_checkpoint_reshards_dp_at_fixed_tp_and_refuses_another_tp(tmp_path):
     assert "is split 2 ways there, 1 here" in refused["refused"]
 
 
-# The Llama / MPT choices (model.ffn_hidden, kv_heads, bias, position, mlp, norm,
-# tie_embeddings), alone and together, against megatron-core's own GPT on the meta device.
-LLAMA_TINY = GPTShape(layers=2, hidden=32, heads=4, seq_len=8, vocab_size=256, ffn_hidden=40, kv_heads=2, bias=False,
-                      position="rope", mlp="swiglu", norm="rmsnorm", tie_embeddings=False)
-CHOICES = [dict(ffn_hidden=40), dict(kv_heads=2), dict(bias=False), dict(position="rope"), dict(mlp="swiglu"),
-           dict(norm="rmsnorm"), dict(tie_embeddings=False),
-           dict(bias=False, position="learned", norm="layernorm", tie_embeddings=True, vocab_size=50368)]  # MPT's
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -263,18 +268,6 @@ def test_closed_form_count_of_each_choice_matches_meta_device_build(choice, tp):
     assert total == parameter_count(shape, tp)
     assert counts[0]["sharded"] + counts[0]["duplicated"] == parameters_per_tp_rank(shape, tp)
     assert parameter_count(shape, tp) != parameter_count(GPTShape(2, 32, 4, 8, choice.get("vocab_size", 256)), tp)
-
-
-@pytest.mark.parametrize("shape,tp", [(LLAMA_TINY, 2),
-                                      (GPTShape(layers=4, hidden=4096, heads=32, seq_len=8192, vocab_size=128256,
-                                                ffn_hidden=14336, kv_heads=8, bias=False, position="rope",
-                                                mlp="swiglu", norm="rmsnorm", tie_embeddings=False), 2)])  # Llama 3 8B's width
-def test_closed_form_count_of_llama_shapes_matches_meta_device_build(shape, tp):
-    counts = spawn(_local_counts, tp, shape, tp, timeout=120)
-    assert all(c["meta"] for c in counts)
-    total = sum(c["sharded"] for c in counts) + counts[0]["duplicated"]
-    assert total == parameter_count(shape, tp)
-    assert counts[0]["sharded"] + counts[0]["duplicated"] == parameters_per_tp_rank(shape, tp)
 
 
 def test_llama_3_8b_count_is_meta_s_8b():
