@@ -602,14 +602,16 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
     recomputation, and the engine's buffers, experiments/analysis/activations.py) and the
     optimizer step's (the model states and the step's temporaries, analysis/memory.py
     optimizer_step_bytes, with a foreach Adam as on CUDA), each with its terms; `peak_phase`.
-    dropout: count dropout masks, as the paper's recipe trains (the benchmark model has none)."""
+    dropout: count dropout masks, as the paper's recipe trains (the benchmark model has none); never
+    for a shape other than GPT-2's (Llama's and MPT's recipes have no dropout)."""
     shape = point.shape
     vocab = padded_vocab_size(shape.vocab_size, point.tp)
     states = predicted_model_state_bytes(point, precision)
     activations = activation_memory(seq_len=shape.seq_len, micro_batch=point.micro_batch, hidden=shape.hidden,
                                     heads=shape.heads, layers=shape.layers, vocab=vocab, tp=point.tp,
                                     recompute=point.train["recompute"], bytes_per_element=DTYPES[precision].itemsize,
-                                    dropout=dropout, partition_activations=point.zero.get("partition_activations", False),
+                                    dropout=dropout and _is_gpt2(shape),
+                                    partition_activations=point.zero.get("partition_activations", False),
                                     cpu_checkpointing=point.zero.get("cpu_checkpointing", False),
                                     **_layer_shape(shape, point.train.get("layer_spec", "local")))
     config = ZeroConfig(stage=point.stage, precision=precision, **point.zero)  # the engine's dtypes
@@ -643,13 +645,14 @@ def _layer_shape(shape: GPTShape, layer_spec: str) -> dict:
     """activation_memory's shape arguments beyond GPT-2's (none for GPT-2, whose numbers stay
     those of before): K and V at kv_heads' width where TE's attention keeps them so, at every
     head's on the local spec (its DotProductAttention repeats them before its matmuls), whose
-    rotary embeddings with multi-head attention keep the QKV output beside the rotated Q and K."""
-    if _is_gpt2(shape):
-        return {}
+    rotary embeddings with multi-head attention keep the QKV output beside the rotated Q and K;
+    TE's fused attention keeps no s x s scores (any shape)."""
     local = layer_spec != "transformer_engine"
+    if _is_gpt2(shape):
+        return {} if local else {"fused_attention": True}
     return {"kv_hidden": shape.hidden if local else shape.kv_hidden, "ffn": shape.ffn, "swiglu": shape.mlp == "swiglu",
             "rotated_copies": local and shape.position == "rope" and shape.query_groups == shape.heads,
-            "rmsnorm": local and shape.norm == "rmsnorm"}
+            "rmsnorm": local and shape.norm == "rmsnorm", "fused_attention": not local}
 
 
 def _unit_params(shape: GPTShape, tp: int) -> dict:

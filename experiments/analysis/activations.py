@@ -52,7 +52,7 @@ from zero_impl import MAX_INFLIGHT_STAGING
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
                            bytes_per_element: int = 2, dropout: bool = True, kv_hidden: int | None = None,
                            ffn: int | None = None, swiglu: bool = False, rotated_copies: bool = False,
-                           rmsnorm: bool = False) -> float:
+                           rmsnorm: bool = False, fused_attention: bool = False) -> float:
     """Bytes one transformer layer keeps for backward on one TP rank (Korthikanti et al. 2022
     Eq. 1 at t = 1, Eq. 2 for TP t without sequence parallelism; p = 2 with dropout gives
     s·b·h·(10 + 24/t + 5·a·s/(h·t))).
@@ -67,7 +67,8 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     embeddings make new Q and K (2h) while V, a view of the QKV output, keeps all of it (multi-
     head attention on the local spec; with grouped K/V the repeat copies V instead); rmsnorm:
     torch's RMSNorm keeps its normalized input besides its input, p·sbh more per norm. Biases
-    keep nothing more."""
+    keep nothing more. fused_attention: a flash-style kernel (TE's DotProductAttention) keeps no
+    s x s tensor, only its softmax statistics, an fp32 log-sum-exp a row: 4·a·s·b/t."""
     s, b, h, a, t, p = seq_len, micro_batch, hidden, heads, tp, bytes_per_element
     masks = 1 if dropout else 0
     replicated = s * b * h * (4 * p + 2 * masks) + (2 * p * s * b * h if rmsnorm else 0)
@@ -78,7 +79,7 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
         f = 4 * h if ffn is None else ffn
         qkv = h + 2 * kv + (2 * h if rotated_copies else 0)
         sharded = s * b * (qkv + h + f * (5 if swiglu else 2)) * p / t
-    attention = a * s * s * b * (p + masks * (p + 1)) / t
+    attention = (4 * a * s * b if fused_attention else a * s * s * b * (p + masks * (p + 1))) / t
     return replicated + sharded + attention
 
 
@@ -107,17 +108,18 @@ def activation_memory(*, seq_len: int, micro_batch: int, hidden: int, heads: int
                       tp: int = 1, recompute: bool = True, bytes_per_element: int = 2,
                       dropout: bool = True, partition_activations: bool = False,
                       cpu_checkpointing: bool = False, kv_hidden: int | None = None, ffn: int | None = None,
-                      swiglu: bool = False, rotated_copies: bool = False, rmsnorm: bool = False) -> dict[str, float]:
+                      swiglu: bool = False, rotated_copies: bool = False, rmsnorm: bool = False,
+                      fused_attention: bool = False) -> dict[str, float]:
     """Activation bytes per GPU by term, and `total`: what is kept through forward plus the
     larger of the two transient working sets (the loss's, or one recomputed layer's).
     With recomputation, ZeRO-R's Pa keeps 1/t of each checkpoint (zero_impl/activations.py; the
     gathered copy is the recomputed layer's input, already in its Eq. 2 working set) and Pa+cpu
     keeps that slice in host memory: `host_checkpoints`, outside the device total.
-    kv_hidden, ffn, swiglu, rotated_copies, rmsnorm: the layer's shape beyond GPT-2's
-    (`layer_activation_bytes`)."""
+    kv_hidden, ffn, swiglu, rotated_copies, rmsnorm, fused_attention: the layer's shape beyond
+    GPT-2's and its attention kernel (`layer_activation_bytes`)."""
     layer = layer_activation_bytes(seq_len, micro_batch, hidden, heads, tp, bytes_per_element=bytes_per_element,
                                    dropout=dropout, kv_hidden=kv_hidden, ffn=ffn, swiglu=swiglu,
-                                   rotated_copies=rotated_copies, rmsnorm=rmsnorm)
+                                   rotated_copies=rotated_copies, rmsnorm=rmsnorm, fused_attention=fused_attention)
     kept = checkpoint_bytes(seq_len, micro_batch, hidden, layers, bytes_per_element=bytes_per_element)
     if recompute and partition_activations:
         kept = layers * bytes_per_element * -(-seq_len * micro_batch * hidden // tp)

@@ -343,7 +343,7 @@ def root_elements(x: StepInputs) -> float:
     word embeddings (and of an untied output layer), the learned position embeddings and the
     final norm."""
     words = x.vocab * x.hidden / x.tp * (1 if x.tied else 2)
-    return words + (0 if x.rotary else x.seq_len * x.hidden) + (1 if x.rmsnorm or not x.bias else 2) * x.hidden
+    return words + (0 if x.rotary else x.seq_len * x.hidden) + (1 if x.rmsnorm else 2) * x.hidden   # megatron's LayerNorm keeps its bias
 
 
 def plan(x: StepInputs, system: str | System) -> DpPlan:
@@ -379,11 +379,13 @@ def sm_share(hw: Hardware, group: tuple[int, int, int]) -> float:
     node, the node's NICs across nodes) [assumption: NCCL's graph search may open more, e.g. 24 on
     an NVSwitch A100 node, NVIDIA/nccl-tests#100]; 0 where the collectives are not NCCL's (a
     calibrated CPU host measures its own overlap)."""
-    ranks, per_node, concurrent = group
+    ranks, per_node, _ = group
     sms = getattr(hw.gemm, "sms", None)
     if ranks <= 1 or sms is None or not isinstance(hw.collectives, Nccl):
         return 0.0
-    return min(1.0, hw.collectives.bus(ranks, nodes_of(ranks, per_node), max(1, concurrent))[1] / sms)
+    # the channels of one group alone on its NICs: groups sharing them share bandwidth, but each
+    # communicator still runs its own blocks on every member GPU
+    return min(1.0, hw.collectives.bus(ranks, nodes_of(ranks, per_node), 1)[1] / sms)
 
 
 def overlapped(compute: float, comm: float, edge: float, share: float) -> tuple[float, float]:
@@ -430,10 +432,11 @@ def dp_comm(x: StepInputs, hw: Hardware, system: str | System, phases: dict[str,
     last_grads = (hid_grads[-2:] if sys.fsdp else hid_grads[-1:]) if overlap and grads else []
     if gathers:   # stage 3: each phase's gathers prefetched under its compute, the first two not
         nf = p.forward_gathers
-        exp_f, con_f = overlapped(forward, sum(hid_gathers[:nf]), sum(hid_gathers[:min(2, nf)]), share)
         if overlap:
+            exp_f, con_f = overlapped(forward, sum(hid_gathers[:nf]), sum(hid_gathers[:min(2, nf)]), share)
             exp_b, con_b = overlapped(backward, sum(hid_gathers[nf:]) + sum(hid_grads), sum(last_grads), share)
-        else:   # gradients reduced after backward, the backward's gathers waited on
+        else:   # every gather waited on where it is issued (async_op=False), gradients reduced after backward
+            exp_f, con_f = sum(hid_gathers[:nf]), 0.0
             exp_b, con_b = sum(hid_gathers[nf:]) + sum(hid_grads), 0.0
         per_micro, contention = core_gathers + core_grads + exp_f + exp_b, con_f + con_b
     elif grads and overlap:

@@ -163,3 +163,26 @@ def test_the_mpt_head_with_flash_attn_s_fused_cross_entropy():
     assert bwd["cross entropy bwd (fused)"].bytes == logits * 2 * 2
     torch_loss = {k.name: k for k in layers.LAYERS["torch_block"][2](replace(x, fused_loss=False))}
     assert torch_loss["cross entropy (fp32)"].bytes == logits * (2 + 16)
+
+
+def test_stage_3_without_overlap_waits_for_every_gather():
+    # zero_repro's gathers with overlap_comm=False are synchronous (async_op=False): nothing hides
+    x = inputs(tp=1, dp=8, stage=3, grad_accum=2, psi=1e9, overlap=False)
+    phases = st.micro_batch_compute(x, HW, "zero_repro")
+    plan = st.plan(x, "zero_repro")
+    t = lambda calls: [1e-6 + b / 10e9 for _, b in calls]  # noqa: E731
+    dp = st.dp_comm(x, HW, "zero_repro", phases)
+    assert dp["exposed_s"] == pytest.approx(2 * (sum(t(plan.param_calls_per_micro_batch)) + sum(t(plan.grad_calls))))
+    assert dp["contention_s"] == 0.0
+
+
+def test_groups_sharing_nics_each_take_their_channels_sms():
+    # MP 16 x DP 25 on DGX-2s: 16 DP groups leave each node; each communicator still runs its own
+    # blocks on every member GPU: the share of one group alone on its NICs (8 NICs' channels of 80 SMs)
+    v100 = profile("dgx2_v100")
+    assert st.sm_share(v100, (25, 1, 16)) == st.sm_share(v100, (25, 1, 1)) == pytest.approx(8 / 80)
+
+
+def test_the_root_unit_keeps_megatron_s_layernorm_bias():
+    assert st.root_elements(inputs(bias=False, vocab=1000, tp=1)) == 1000 * 1024 + 1024 * 1024 + 2 * 1024
+    assert st.root_elements(inputs(rmsnorm=True, rotary=True, tied=False, vocab=1000, tp=1)) == 2 * 1000 * 1024 + 1024

@@ -240,3 +240,16 @@ def test_a_plans_folder_names_the_choices_off_its_model_config():
             return plan_name(cfg, "dgx_h100", "gpt_7b")
     assert name() == "gpt_7b-dgx_h100-g8"
     assert name("model.mlp=swiglu", "model.kv_heads=8") == "gpt_7b-l32-h4096-a32-s1024-kv_heads8-mlpswiglu-dgx_h100-g8"
+
+
+def test_llama_and_mpt_recipes_count_no_dropout_and_te_keeps_no_scores(compose):
+    s, b, h, a = 8192, 1, 4096, 32
+    unfused = layer_activation_bytes(s, b, h, a, dropout=False)
+    fused = layer_activation_bytes(s, b, h, a, dropout=False, fused_attention=True)
+    assert unfused - fused == pytest.approx(a * s * s * b * 2 - 4 * a * s * b)   # the scores' p·a·s²·b for the lse
+    llama = expand(compose("model=llama3_8b", "gpus=8", "micro_batch=1"))[0]
+    gpt = expand(compose("model=gpt_7b", "gpus=8", "micro_batch=1"))[0]
+    with_masks = predicted_memory_bytes(gpt, "fp16")["activations"]
+    without = predicted_memory_bytes(gpt, "fp16", dropout=False)["activations"]
+    assert with_masks > without                          # GPT-2's recipe keeps its dropout masks ...
+    assert predicted_memory_bytes(llama, "fp16")["activations"] == predicted_memory_bytes(llama, "fp16", dropout=False)["activations"]
