@@ -7,8 +7,10 @@ the records the prediction check compares with. The engine's default is gloo's o
 
 Sizes follow the suite's counting convention (experiments/analysis/hardware.py): all_reduce,
 reduce and broadcast the tensor, reduce_scatter its full input, all_gather its full output.
-Each size is timed `repeats` times between barriers on the wall clock (a collective waits for
-its peers: no CPU clock sees that), the slowest rank's time per repeat, then the median.
+Each size is timed `repeats` times on the wall clock (a collective waits for its peers: no CPU
+clock sees that), each call after a barrier and issued as the step issues it beside compute
+(BUSY_S), the time it adds to that compute, the slowest rank's per repeat, then the mean: beside
+compute a call waits 0 to one scheduler tick, and a step of several collectives pays the mean.
 
 measure_overlap: how much of a collective hides under the rank's own compute. On a GPU NCCL
 moves bytes on its own stream while the SMs compute; on a CPU rank gloo's threads copy, reduce
@@ -33,6 +35,18 @@ SIZES = tuple(2 ** p for p in (3, 7, 11, 15, 19, 21, 23, 24))  # bytes: 8 B (lat
 LATENCY_UP_TO = 2 ** 11  # sizes at or below this one measure the latency (2 KiB at 1 GB/s: 2 us of bytes)
 BANDWIDTH_FROM = 2 ** 19  # sizes at or above this one measure the bandwidth
 EXCHANGE = True  # cpu_default's zero.gloo_point_to_point: what the records the check reads ran
+# Each call is timed as the step issues it, beside the rank's compute (issued_as_the_step_does).
+# On this 2-core VM (Linux 6.18, CONFIG_HZ=250, PREEMPT_NONE) a 2 KiB gloo call issued from an idle
+# barrier took 0.1-0.5 ms; issued after 1-6 ms of compute, most ended on a 4 ms scheduler tick
+# counted from the barrier (after 6 ms: 1.8 ms, after 3 ms: 1.0 or 4.9 ms), as if gloo's woken
+# thread ran only at a tick [assumption: the cause; the times are measured]; issued async under
+# compute, each added 1.5-2.7 ms to it. Timed from the barrier alone, the calibration priced the
+# stage-3 points' gathers at 0.15-0.35 ms a call; in their steps each added about 2 ms. A step's
+# compute ends at any phase of the tick, so the repeats' compute spans BUSY_S evenly (from a
+# layer's forward of the smallest sweep model, 1.5 ms here, over one 4 ms tick), and the mean
+# over the repeats is kept.
+BUSY_S = (0.0015, 0.0055)
+BUSY_GEMM = 128
 
 
 def _communicator() -> Communicator:
@@ -59,8 +73,47 @@ def _call(comm: Communicator, kind: str, full: torch.Tensor, part: torch.Tensor)
         dist.broadcast(full, src=0)
 
 
-def _rank_times(kinds: tuple[str, ...], sizes: tuple[int, ...], repeats: int) -> dict:
-    """On every rank: {kind: {nbytes: [seconds per repeat]}}."""
+def busy_seconds(repeat: int, repeats: int, span: tuple[float, float] = BUSY_S) -> float:
+    """The compute before repeat `repeat` of `repeats`: the span's midpoints, evenly spaced."""
+    low, high = span
+    return low + (high - low) * (repeat + 0.5) / repeats
+
+
+def busy(seconds: float, size: int = BUSY_GEMM) -> float:
+    """Compute for `seconds` of wall clock (size x size fp32 GEMMs), as a rank does between the
+    step's collectives; returns the seconds it took (the last GEMM ends past `seconds`). A clock,
+    not a count: the ranks' compute ends together, so what is timed is the call, not one rank
+    waiting for a slower one."""
+    a, b, c = (torch.randn(size, size) for _ in range(3))
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        torch.mm(a, b, out=c)
+    return time.perf_counter() - began
+
+
+def issued_as_the_step_does(comm: Communicator, kind: str, full: torch.Tensor, part: torch.Tensor,
+                            compute_s: float) -> float:
+    """The seconds one call adds to `compute_s` of the rank's compute: a kind the engine issues
+    async (OVERLAP_KINDS: stage 3's prefetched gathers, the overlapped reductions) issued, the
+    compute run, then waited on; reduce and broadcast issued after the compute. Compute that the
+    call's own copies slow is not seen (the compute is clock-bounded)."""
+    if kind in OVERLAP_KINDS:
+        began = time.perf_counter()
+        work = _issue(comm, kind, full, part, async_op=True)
+        computed = busy(compute_s)
+        work.wait()
+        return time.perf_counter() - began - computed
+    busy(compute_s)
+    began = time.perf_counter()
+    _call(comm, kind, full, part)
+    return time.perf_counter() - began
+
+
+def _rank_times(kinds: tuple[str, ...], sizes: tuple[int, ...], repeats: int,
+                busy_span: tuple[float, float] = BUSY_S) -> dict:
+    """On every rank: {kind: {nbytes: [seconds per repeat]}}, each call issued after a barrier as
+    the step issues it, under or after compute (issued_as_the_step_does, busy_seconds over
+    `busy_span`)."""
     world, out = dist.get_world_size(), {}
     comm = _communicator()
     for kind in kinds:
@@ -71,21 +124,23 @@ def _rank_times(kinds: tuple[str, ...], sizes: tuple[int, ...], repeats: int) ->
             full = full[: part.numel() * world]
             _call(comm, kind, full, part)  # warm: gloo's pairs connect and buffers register on first use
             samples = []
-            for _ in range(repeats):
+            for i in range(repeats):
                 dist.barrier()
-                began = time.perf_counter()
-                _call(comm, kind, full, part)
-                samples.append(time.perf_counter() - began)
+                samples.append(issued_as_the_step_does(comm, kind, full, part, busy_seconds(i, repeats, busy_span)))
             out[kind][full.numel() * 4] = samples
     return out
 
 
 def fit(times: dict[int, float]) -> dict[str, float]:
-    """latency + bytes / bandwidth from {nbytes: median seconds}: the latency is the median time
+    """latency + bytes / bandwidth from {nbytes: mean seconds}: the latency is the median time
     of the sizes <= LATENCY_UP_TO, the bandwidth the median of nbytes / (t - latency) over the
-    sizes >= BANDWIDTH_FROM."""
+    sizes >= BANDWIDTH_FROM whose bytes take longer than the latency (t >= 2 x latency; else the
+    largest size alone): a size whose time is mostly the latency's tick wait says nothing of the
+    bandwidth (t - latency near 0 or below it: a rate of any size)."""
     latency = statistics.median(t for n, t in times.items() if n <= LATENCY_UP_TO)
-    rates = [n / max(t - latency, 1e-12) for n, t in times.items() if n >= BANDWIDTH_FROM]
+    large = {n: t for n, t in times.items() if n >= BANDWIDTH_FROM}
+    bytes_bound = {n: t for n, t in large.items() if t >= 2 * latency} or {max(large): large[max(large)]}
+    rates = [n / max(t - latency, 1e-12) for n, t in bytes_bound.items()]
     return {"latency_s": latency, "bytes_per_s": statistics.median(rates)}
 
 
@@ -163,11 +218,11 @@ def measure_overlap(world: int, repeats: int = 15, kinds: tuple[str, ...] = OVER
 
 
 def measure(world: int, repeats: int = 15, kinds: tuple[str, ...] = KINDS, sizes: tuple[int, ...] = SIZES) -> dict:
-    """{kind: {"latency_s", "bytes_per_s", "times_s": {nbytes: median seconds}}} at this world size."""
+    """{kind: {"latency_s", "bytes_per_s", "times_s": {nbytes: mean seconds}}} at this world size."""
     ranks = spawn(_rank_times, world, kinds, sizes, repeats, backend="gloo", timeout=300)
     result = {}
     for kind in kinds:
-        times = {n: statistics.median(max(r[kind][n][i] for r in ranks) for i in range(repeats))
+        times = {n: statistics.mean(max(r[kind][n][i] for r in ranks) for i in range(repeats))
                  for n in ranks[0][kind]}
         result[kind] = {**fit(times), "times_s": times}
     return result

@@ -99,6 +99,29 @@ def test_gloo_fit_latency_from_small_sizes_bandwidth_from_large():
     assert fit["bytes_per_s"] == pytest.approx(1e9)            # median of 1e9, 1e9, 2e9
 
 
+def test_gloo_fit_takes_the_bandwidth_only_from_sizes_whose_bytes_outlast_the_latency():
+    """Timed beside compute, a call's latency is a wait for the scheduler's tick (2 ms here), as
+    long as a 2 MiB call's bytes: those sizes say nothing of the bandwidth."""
+    times = {8: 2e-3, 128: 2.2e-3, 2048: 1.8e-3,                # latency: the median, 2 ms
+             2 ** 19: 1.5e-3,                                   # under the latency: a rate of any size
+             2 ** 21: 2.5e-3,                                   # < 2 x latency: mostly the wait
+             2 ** 23: 2e-3 + 2 ** 23 / 1e9, 2 ** 24: 2e-3 + 2 ** 24 / 1e9}   # bytes-bound: 1 GB/s
+    fit = collectives.fit(times)
+    assert fit["latency_s"] == pytest.approx(2e-3)
+    assert fit["bytes_per_s"] == pytest.approx(1e9)            # not (2**21 / 0.5e-3 + 1e9) / 2, nor 2**19 / 1e-12
+    # no size twice the latency: the largest alone, its time less the latency
+    flat = {8: 2e-3, 2048: 2e-3, 2 ** 19: 2.1e-3, 2 ** 21: 2.6e-3}
+    assert collectives.fit(flat)["bytes_per_s"] == pytest.approx(2 ** 21 / 0.6e-3)
+
+
+def test_collectives_are_timed_after_compute_over_one_tick_of_phases():
+    """The repeats' compute before each call: the span's midpoints, evenly spaced, from a layer's
+    forward (1.5 ms) over one 4 ms tick (HZ=250), so the mean covers every phase of the tick."""
+    assert collectives.BUSY_S == (0.0015, 0.0055)
+    assert [collectives.busy_seconds(i, 4) for i in range(4)] == pytest.approx([0.002, 0.003, 0.004, 0.005])
+    assert collectives.busy_seconds(0, 1, (0.0, 0.004)) == pytest.approx(0.002)
+
+
 def test_sweep_gemm_shapes_are_the_tiny_models_layers():
     shapes = compute.sweep_gemm_shapes(["tiny_s"], micro_batch=4)  # h 64, 4 heads, seq 64, vocab 1000 -> 1024
     assert (1, 256, 192, 64) in shapes   # QKV forward: 256 tokens x 64 @ 64 x 192
