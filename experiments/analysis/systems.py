@@ -280,7 +280,7 @@ MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = 29.9e-6
 HOST_SYNCS = ("layer", "rng_state", "forward_backward")
 
 # The paper's stacks under the same host model. [assumption] Their host cost per kernel of a
-# layer is the development set's: it is the one measured host cost of Megatron's layer code on
+# layer is megatron_ds2023's: it is the one measured host cost of Megatron's layer code on
 # PyTorch, and no measurement of Python 3.6 with torch 1.1-1.2 on a DGX-2's Xeons exists to replace
 # it. Their step's kernels, a per-tensor loop with two host syncs a tensor in FP16_Optimizer, stay
 # at the profile's per-op floor (pytorch/pytorch#41383, 2020's torch: a lower bound for 2019's
