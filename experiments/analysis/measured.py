@@ -236,12 +236,7 @@ def _refused(base: Outcome, reason: str) -> Outcome:
                    tokens_per_step=base.tokens_per_step)
 
 
-def _vtrain_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
-    try:
-        row = vtrain_row(text)
-    except ValueError as e:
-        return Outcome(index, text, None, None, reason=f"unreadable: {e}")
-    row["seq_band"] = seq_band(row["seq_len"])
+def _vtrain_outcome(index: int, text: dict, row: dict, system: str | None, cluster: str | None) -> Outcome:
     base = Outcome(index, row, row["ms"] * 1e-3, row["ms"] * 1e-3)
     why = _shape_refusal(row, row["pp"])
     if why:
@@ -283,12 +278,7 @@ def _throughput_refusal(row: dict) -> str | None:
     return None
 
 
-def _throughput_outcome(index: int, text: dict, system: str | None, cluster: str | None) -> Outcome:
-    try:
-        row = throughput_row(text)
-    except ValueError as e:
-        return Outcome(index, text, None, None, reason=f"unreadable: {e}")
-    row["seq_band"] = seq_band(row["seq_len"])
+def _throughput_outcome(index: int, text: dict, row: dict, system: str | None, cluster: str | None) -> Outcome:
     tokens = row["global_batch"] * row["seq_len"]
     base = Outcome(index, row, row["tokens_per_s_per_gpu"], tokens / (row["tokens_per_s_per_gpu"] * row["gpus"]),
                    tokens_per_step=tokens)
@@ -319,8 +309,17 @@ def predict_file(path: str | Path, system: str | System | None = None,
     reports/dev_set.py's with its host constants left one source out) and `cluster` replace each
     row's own."""
     schema, rows = read(path)
-    outcome = _vtrain_outcome if schema is VTRAIN else _throughput_outcome
-    return schema, [outcome(i, text, system, cluster) for i, text in enumerate(rows)]
+    typed, outcome = (vtrain_row, _vtrain_outcome) if schema is VTRAIN else (throughput_row, _throughput_outcome)
+    outcomes = []
+    for i, text in enumerate(rows):
+        try:
+            row = typed(text)
+        except ValueError as e:   # the row alone is refused, naming its column; the file goes on
+            outcomes.append(Outcome(i, text, None, None, reason=f"unreadable: {e}"))
+            continue
+        row["seq_band"] = seq_band(row["seq_len"])
+        outcomes.append(outcome(i, text, row, system, cluster))
+    return schema, outcomes
 
 
 # -- the summary ------------------------------------------------------------------------------

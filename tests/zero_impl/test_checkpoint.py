@@ -230,6 +230,15 @@ def _full_disk(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
 
+def _save_step_2(engine, root: str) -> str:
+    """The next save, step_2: the error this rank raised, or "saved"."""
+    try:
+        checkpoint.save(engine, f"{root}/step_2")
+    except OSError as e:
+        return str(e)
+    return "saved"
+
+
 def _save_with_a_full_disk(root: str) -> str:
     engine = build(stage=2)
     train(engine, 0, 1)
@@ -237,11 +246,7 @@ def _save_with_a_full_disk(root: str) -> str:
     train(engine, 1, 2)
     if dist.get_rank() == 1:  # rank 1's disk fills up in the middle of the next save
         dcp.FileSystemWriter.write_data = _full_disk
-    try:
-        checkpoint.save(engine, f"{root}/step_2")
-    except OSError as e:
-        return str(e)
-    return "saved"
+    return _save_step_2(engine, root)
 
 
 def test_a_save_on_a_full_disk_is_never_the_latest(tmp_path):
@@ -264,11 +269,7 @@ def _manifest_on_a_full_disk(root: str) -> str:
     if dist.get_rank() == 0:  # the disk fills up as rank 0 writes the manifest, after every shard
         from zero_impl.checkpoint import manifest
         manifest.json = SimpleNamespace(dumps=_full_disk)
-    try:
-        checkpoint.save(engine, f"{root}/step_2")
-    except OSError as e:
-        return str(e)
-    return "saved"
+    return _save_step_2(engine, root)
 
 
 def test_a_manifest_on_a_full_disk_fails_the_save_on_every_rank(tmp_path):
