@@ -258,18 +258,18 @@ def torch_adamw(e: int, stage: int) -> OptimizerStep:
 
 
 # Megatron-DeepSpeed 2023 on PyTorch 2.0.1 (the development set's stack, step_time.host_windows):
-# host seconds per kernel its layer issues and per collective call, each an independent
-# measurement, none derived from a scored file (experiments/reports/dev_set.py measured_constants;
-# a test keeps these equal to it). Per kernel: megatron-core's layer timed on a CPU by this
-# project (reports/host_ops.py --time, results/reference/bench/layer_host_time.csv: 2.993 ms of
-# host time a micro-batch) over the 77 kernels the model counts in a layer. Per collective call:
-# the all-reduce time NCCL 2.14.3's tuner misses at the layer's 2 MiB message on 2 GPUs (vTrain's
-# nccl-tests, results/external/vtrain_a100_allreduce.csv: 53.4 us measured, 23.5 us the tuner's);
-# c10d's own call cost has no sourced measurement and is left out. The single-node file's slopes
-# give 39.9 and 48.1 us (validation_host_constants.md): the first within 1.5x of its check, the
-# second 1.61x, outside; neither is used (validation_loso_constants.md).
+# host seconds per kernel its layer issues and per collective call, an independent measurement,
+# none derived from a scored file (experiments/reports/dev_set.py measured_constants; a test
+# keeps these equal to it). Per kernel: megatron-core's layer timed on a CPU by this project
+# (reports/host_ops.py --time, results/reference/bench/layer_host_time.csv: 2.993 ms of host time
+# a micro-batch) over the 77 kernels the model counts in a layer. Per collective call: the same
+# cost [assumption]: torch.distributed.all_reduce is one dispatcher op (c10d::allreduce_) issued
+# by the same layer code, and no measurement of ProcessGroupNCCL's own call cost is sourced; the
+# NCCL kernel's device time is the cluster's measured table (collective_table.py). The
+# single-node file's slopes give 39.9 and 48.1 us (validation_host_constants.md), each within
+# 1.5x of this measurement; neither is used (validation_loso_constants.md).
 MEGATRON_DS2023_HOST_S_PER_KERNEL = 38.9e-6
-MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = 29.9e-6
+MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = MEGATRON_DS2023_HOST_S_PER_KERNEL
 
 # Where a system with a host model syncs the host inside a micro-batch (step_time.host_windows):
 # "layer": twice in every layer's forward, recomputed forward included (megatron_ds2023);

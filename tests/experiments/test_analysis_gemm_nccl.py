@@ -98,3 +98,41 @@ def test_profiles_read_conf_cluster_and_every_constant_is_sourced():
     for name in hardware.PROFILES:
         for key in hardware.PROFILE_KEYS:
             assert f"{name}.{key}" in hardware.SOURCES, f"{name}.{key} has no source"
+
+
+def test_a_measured_all_reduce_table_is_read_inside_one_node_and_the_tuner_elsewhere(tmp_path):
+    from experiments.analysis.collective_table import MeasuredAllReduce, read_table, tuner_of, with_tuner
+    path = tmp_path / "ar.csv"
+    path.write_text("gpus,size_bytes,count,type,time_ns,busbw_gb_per_s,inplace_time_ns,inplace_busbw_gb_per_s\n"
+                    "8,1048576,262144,float,99999,1,90000,1\n"
+                    "8,2097152,524288,float,99999,1,100000,1\n"
+                    "8,4194304,1048576,float,99999,1,140000,1\n")
+    table = MeasuredAllReduce(read_table(path), DGX2, str(path))
+    mib = 2 ** 20
+    # in place (torch's all_reduce), at a measured size; between two, linear in bytes
+    assert table.time_s("all_reduce", 2 * mib, 8, 8) == pytest.approx(100e-6)
+    assert table.time_s("all_reduce", 3 * mib, 8, 8) == pytest.approx(120e-6)
+    # beyond the largest: its bandwidth (4 MiB in 140 us), 16 MiB in 4 x that
+    assert table.time_s("all_reduce", 16 * mib, 8, 8) == pytest.approx(560e-6)
+    # below the smallest, at an unmeasured GPU count, across nodes, another collective: the tuner
+    for args in (("all_reduce", mib / 2, 8, 8), ("all_reduce", 2 * mib, 4, 4), ("all_reduce", 2 * mib, 16, 8),
+                 ("all_gather", 2 * mib, 8, 8)):
+        assert table.time_s(*args) == DGX2.time_s(*args)
+    assert table.time_s("all_reduce", 2 * mib, 1, 8) == 0.0
+    # the tuner behind it can be swapped (another NCCL release) and the table stays
+    assert tuner_of(table) is DGX2 and tuner_of(DGX2) is DGX2 and tuner_of(object()) is None
+    moved = with_tuner(table, Nccl(nvlink_links=6, nvlink_gb_per_s=21, nics_per_node=8, nic_gb_per_s=12.5, version="2.14.3"))
+    assert moved.table == table.table and moved.tuner.version == "2.14.3"
+    (tmp_path / "bad.csv").write_text("gpus,size_bytes,time_ns\n8,1,1\n")
+    with pytest.raises(ValueError, match="needs the columns gpus, size_bytes, inplace_time_ns; missing inplace_time_ns"):
+        read_table(tmp_path / "bad.csv")
+
+
+def test_the_a100_profiles_read_vtrains_nccl_tests_on_their_node():
+    a100 = profile("dgx_a100").collectives
+    # results/external/vtrain_a100_allreduce.csv: 2 MiB on 8 GPUs, in place, 92.97 us
+    assert a100.time_s("all_reduce", 2 ** 21, 8, 8) == pytest.approx(92.97e-6)
+    assert profile("dgx_a100_800g").collectives.table == a100.table
+    assert "all_reduce_table" in profile("dgx_a100").sources
+    # the 40 GB part's cluster (llm-foundry's) has no measurement: the tuner alone
+    assert isinstance(profile("dgx_a100_40gb").collectives, Nccl)
