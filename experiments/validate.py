@@ -13,7 +13,9 @@ source's refused unless `system=` names one; the cluster from each row's GPU). `
 replace every row's own. It prints the rows predicted and those refused, grouped by reason; the
 median, 90th percentile and worst |predicted / measured - 1| on step time; and the median ratio
 (predicted / measured time) over all rows and by TP degree, sequence-length band and, where the
-file has them, GPU, sharding and activation checkpointing. `format=json` adds `per_row`: every
+file has them, GPU, sharding and activation checkpointing; for a throughput file, how often the
+model's fastest row is the measured fastest among rows alike but for micro-batch and activation
+checkpointing (measured.fastest_in_family). `format=json` adds `per_row`: every
 input row's index, status and reason, predicted and measured value in the file's unit, and the
 step's terms in seconds.
 
@@ -30,7 +32,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.analysis.hardware import PROFILES
-from experiments.analysis.measured import Outcome, Schema, SchemaError, per_row, predict_file, summary
+from experiments.analysis.measured import (Outcome, Schema, SchemaError, fastest_in_family_text, per_row,
+                                           predict_file, summary)
 from experiments.analysis.systems import SYSTEMS
 from experiments.points import ConfigError
 
@@ -76,6 +79,8 @@ def text(path: Path, s: dict) -> str:
     e = s["error"]
     lines.append(f"|predicted / measured - 1| on step time: median {_number(e['median'])}, p90 {_number(e['p90'])}, "
                  f"worst {_number(e['worst'])} (row {e['worst_row']})")
+    if s["fastest_in_family"] is not None:
+        lines.append(fastest_in_family_text(s["fastest_in_family"]))
     table = [("group", "value", "rows", "median ratio"), ("all", "", str(s["predicted"]), _number(e["median_ratio"]))]
     table += [(group, value, str(v["rows"]), _number(v["median_ratio"]))
               for group, values in s["median_ratio_by_group"].items() for value, v in values.items()]

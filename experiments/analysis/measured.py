@@ -17,10 +17,13 @@ Two schemas, told apart by their columns:
   it, the gradients reduced in the dtype of the row's mixed-precision mode); a row of another
   source is refused unless `system=` names one (zero_repro: this engine at the ZeRO stage of the
   row's sharding strategy). The cluster comes from the row's GPU unless given. The row's
-  attention_impl is not read: the system's kernel is used (every llm-foundry row is Triton's).
+  attention_impl is not read for the prediction: the system's kernel is used (every llm-foundry
+  row is Triton's); it and the other provenance columns (THROUGHPUT_RUN) only tell families apart.
 
 The error is on step time: ratio = predicted / measured seconds per step (for a throughput file,
-measured / predicted tokens per second), error |ratio - 1|.
+measured / predicted tokens per second), error |ratio - 1|. A throughput file's summary adds the
+ranking check (fastest_in_family): among rows alike but for micro-batch and activation
+checkpointing, how often the model's fastest is the measured fastest.
 """
 from __future__ import annotations
 
@@ -57,6 +60,21 @@ THROUGHPUT_TEXT = ("source", "gpu", "sharding", "precision", "activation_checkpo
 # read when present: an empty cell or missing column takes the default (kv_heads: heads, ffn_hidden: 4 x hidden)
 THROUGHPUT_OPTIONAL = ("kv_heads", "ffn_hidden", "dp", "cp", "activation_cpu_offload", "measured_tokens_per_s_total",
                        "mixed_precision_mode")
+# the run's provenance, read as text when present (empty otherwise): not the model's inputs, but
+# what rows must share to be one run but for micro-batch and checkpointing (FAMILY_KEY)
+THROUGHPUT_RUN = ("commit_or_table", "software", "interconnect", "attention_impl", "compile")
+# a throughput family (fastest_in_family): rows alike in every column that defines the run (the
+# source and the commit its row first appeared at, the software image, the GPU and its count, the
+# interconnect, the shape, the sequence length, the layout, sharding, precision and
+# mixed-precision mode, the attention kernel, compilation, offload); free: the micro-batch, the
+# activation checkpointing and the global batch and accumulation that follow from the micro-batch
+# (llm-foundry's sweeps hold the accumulation, global batch = micro-batch x GPUs x accumulation; a
+# sweep at a fixed global batch holds the batch). An unrecorded software image is its own text:
+# not known equal to a recorded one.
+FAMILY_KEY = ("source", "gpu", "gpus", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len",
+              "sharding", "dp", "tp", "pp", "cp", "precision", "mixed_precision_mode", "activation_cpu_offload",
+              *THROUGHPUT_RUN)
+FAMILY_RULE = "the largest micro-batch without activation checkpointing"
 # FSDP's sharding strategies as ZeRO stages (the compilation names them inside longer text)
 SHARDING_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
 # a throughput row's GPU -> the profile of its machine
@@ -258,6 +276,7 @@ def throughput_row(text: dict) -> dict:
     row["activation_cpu_offload"] = "activation_cpu_offload" in given and _cell(text, "activation_cpu_offload", bool)
     row["recompute"] = _cell(text, "activation_checkpointing", bool)
     row["mixed_precision_mode"] = text.get("mixed_precision_mode", "")
+    row |= {col: text.get(col, "") for col in THROUGHPUT_RUN}
     if row["measured_tokens_per_s_per_gpu"] or "measured_tokens_per_s_total" not in given:
         row["tokens_per_s_per_gpu"] = _cell(text, "measured_tokens_per_s_per_gpu", float)
     else:
@@ -331,16 +350,68 @@ def error_stats(ratios: list[float]) -> dict:
             "worst_factor": max(max(r, 1 / r) for r in ratios)}
 
 
+def families(outcomes: list[Outcome]) -> list[list[Outcome]]:
+    """The predicted throughput rows grouped by FAMILY_KEY: families of two rows or more, each in
+    file order."""
+    groups = defaultdict(list)
+    for o in outcomes:
+        if o.prediction is not None:
+            groups[tuple(o.row[k] for k in FAMILY_KEY)].append(o)
+    return [f for f in groups.values() if len(f) > 1]
+
+
+def _rule_pick(family: list[Outcome]) -> Outcome:
+    """FAMILY_RULE's row: the largest micro-batch among the rows without checkpointing (among all
+    where every row checkpoints), the first in file order at a tie."""
+    plain = [o for o in family if not o.row["recompute"]] or family
+    return max(plain, key=lambda o: (o.row["micro_batch"], -o.index))
+
+
+def fastest_in_family(schema: Schema, outcomes: list[Outcome]) -> dict | None:
+    """The ranking check on a throughput file (issue 36: the fastest right in >= 80% of families):
+    among the families of predicted rows alike but for micro-batch and activation checkpointing
+    (`families`, FAMILY_KEY), how often the row the model predicts fastest (the highest predicted
+    tokens/s/GPU; the first in file order at a tie) is the measured fastest (the highest measured
+    tokens/s/GPU; at a measured tie, any of the tied rows is right); the same for FAMILY_RULE, the
+    trivial rule; and the measured runner-up's gap (fastest / runner-up throughput - 1, 0 at a
+    tie), its median and smallest over the families. fraction and the gaps are None without a
+    family. None for a vTrain file (its families are TP's: reports/validation.tp_ranking)."""
+    if schema is not THROUGHPUT:
+        return None
+    found = families(outcomes)
+
+    def right(pick: Outcome, family: list[Outcome]) -> bool:
+        return pick.measured == max(o.measured for o in family)
+
+    model = sum(right(max(f, key=lambda o: (o.predicted, -o.index)), f) for f in found)
+    rule = sum(right(_rule_pick(f), f) for f in found)
+    gaps = [top / second - 1 for top, second in (sorted((o.measured for o in f), reverse=True)[:2] for f in found)]
+    return {"families": len(found), "rows": sum(len(f) for f in found), "right": model,
+            "fraction": model / len(found) if found else None, "rule": FAMILY_RULE, "rule_right": rule,
+            "runner_up_gap_median": median(gaps) if gaps else None, "runner_up_gap_min": min(gaps) if gaps else None}
+
+
+def fastest_in_family_text(f: dict) -> str:
+    """fastest_in_family's result as one line (validate's table, dev_set's reports)."""
+    head = "fastest in family (predicted rows alike but for micro-batch and activation checkpointing): "
+    if not f["families"]:
+        return head + "no family of 2 or more rows, untested"
+    return head + (f"right in {f['right']} of {f['families']} ({f['fraction']:.0%}); {f['rule']} (no model): "
+                   f"{f['rule_right']}; the measured runner-up {f['runner_up_gap_median']:.1%} slower at the median "
+                   f"(closest {f['runner_up_gap_min']:.1%})")
+
+
 def summary(schema: Schema, outcomes: list[Outcome]) -> dict:
     """Rows predicted (by system and cluster) and refused (by reason), the error over the
-    predicted rows (None without any), and the median ratio by each of the schema's groups."""
+    predicted rows (None without any), the median ratio by each of the schema's groups, and for
+    a throughput file the fastest-in-family check (fastest_in_family; None for vTrain's)."""
     done = [o for o in outcomes if o.prediction is not None]
     out = {"schema": schema.name, "description": schema.description, "unit": schema.unit, "rows": len(outcomes),
            "predicted": len(done),
            "predicted_by": dict(Counter(f"{o.system} on {o.cluster}" for o in done)),
            "refused": len(outcomes) - len(done),
            "refused_by_reason": dict(Counter(o.reason for o in outcomes if o.prediction is None).most_common()),
-           "error": None, "median_ratio_by_group": {}}
+           "error": None, "median_ratio_by_group": {}, "fastest_in_family": fastest_in_family(schema, outcomes)}
     if not done:
         return out
     stats = error_stats([o.ratio for o in done])

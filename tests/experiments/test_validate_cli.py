@@ -229,3 +229,76 @@ def test_the_development_set_files_are_read_from_results_external():
     assert {(o.reason, o.system) for o in outcomes} == {(None, "llm_foundry_fsdp1")}
     assert {(o.row["gpu"], o.cluster) for o in outcomes} == {("A100 40GB", "dgx_a100_40gb"), ("A100 80GB", "dgx_a100")}
     assert {o.row["mixed_precision_mode"].split()[0] for o in outcomes} == {"PURE", "DEFAULT"}
+
+
+def family_outcome(index: int, micro_batch: int, checkpointing: bool, speed: float, predicted: float | None,
+                   **over) -> measured.Outcome:
+    """A throughput outcome by hand: the typed row of throughput_row (micro-batch and checkpointing
+    given, the global batch following at 2 micro-batches over DP 8), measured (speed) and predicted
+    tokens/s/GPU (predicted None: refused)."""
+    text = {k: str(v) for k, v in throughput_row(micro_batch=micro_batch, global_batch=16 * micro_batch,
+                                                  activation_checkpointing=str(checkpointing),
+                                                  measured_tokens_per_s_per_gpu=speed, **over).items()}
+    row = measured.throughput_row(text) | {"seq_band": measured.seq_band(int(text["seq_len"]))}
+    tokens = row["global_batch"] * row["seq_len"]
+    step = (None if predicted is None
+            else st.StepTime({"compute": tokens / (predicted * row["gpus"])}, 0.0, "dgx_a100", "llm_foundry_fsdp1"))
+    return measured.Outcome(index, row, speed, tokens / (speed * row["gpus"]), prediction=step,
+                            reason="refused by hand" if step is None else None, tokens_per_step=tokens)
+
+
+def test_the_fastest_in_family_check_by_hand():
+    outcomes = [
+        # family A (micro-batch 1, 2, 4 with checkpointing): measured fastest micro-batch 2, the
+        # model's too: right; the rule (largest micro-batch without checkpointing: 2) right
+        family_outcome(0, 1, False, 100.0, 90.0), family_outcome(1, 2, False, 120.0, 130.0),
+        family_outcome(2, 4, True, 110.0, 100.0),
+        # family B: measured fastest micro-batch 4 without checkpointing, the model ranks micro-batch
+        # 8 with it first: wrong; the rule right
+        family_outcome(3, 4, False, 200.0, 150.0, seq_len=4096), family_outcome(4, 8, True, 180.0, 170.0, seq_len=4096),
+        # family C: a measured tie: the model's fastest (the first row) is one of the tied: right;
+        # the rule's (micro-batch 4) too; the runner-up gap 0
+        family_outcome(5, 2, False, 50.0, 60.0, gpus=16, dp=16), family_outcome(6, 4, False, 50.0, 55.0, gpus=16, dp=16),
+        # no family: family A's run but another software image (an unrecorded image is not known
+        # equal); another sequence length beside a refused row (only predicted rows count)
+        family_outcome(7, 8, False, 999.0, 999.0, software="not recorded"),
+        family_outcome(8, 1, False, 10.0, 10.0, seq_len=1024), family_outcome(9, 2, False, 20.0, None, seq_len=1024)]
+    assert outcomes[1].predicted == pytest.approx(130.0) and outcomes[9].prediction is None
+    assert [[o.index for o in f] for f in measured.families(outcomes)] == [[0, 1, 2], [3, 4], [5, 6]]
+    r = measured.fastest_in_family(measured.THROUGHPUT, outcomes)
+    assert (r["families"], r["rows"], r["right"], r["rule_right"]) == (3, 7, 2, 3)
+    assert r["fraction"] == pytest.approx(2 / 3)
+    assert r["runner_up_gap_median"] == pytest.approx(120 / 110 - 1) and r["runner_up_gap_min"] == 0
+    # the model wrong in its only family; the rule wrong where checkpointing wins
+    wrong = measured.fastest_in_family(measured.THROUGHPUT, outcomes[3:5])
+    assert (wrong["families"], wrong["right"], wrong["fraction"], wrong["rule_right"]) == (1, 0, 0.0, 1)
+    flipped = [family_outcome(0, 4, False, 100.0, 120.0), family_outcome(1, 8, True, 130.0, 125.0)]
+    r = measured.fastest_in_family(measured.THROUGHPUT, flipped)
+    assert (r["families"], r["right"], r["fraction"], r["rule_right"]) == (1, 1, 1.0, 0)
+    # no family: nothing ranked, untested; a vTrain file has no such check
+    alone = measured.fastest_in_family(measured.THROUGHPUT, outcomes[7:])
+    assert (alone["families"], alone["right"], alone["fraction"], alone["runner_up_gap_median"]) == (0, 0, None, None)
+    assert measured.fastest_in_family(measured.VTRAIN, outcomes) is None
+    assert measured.summary(measured.THROUGHPUT, outcomes)["fastest_in_family"] == measured.fastest_in_family(
+        measured.THROUGHPUT, outcomes)
+
+
+def test_validate_prints_the_fastest_in_family_check_and_its_json(tmp_path, capsys):
+    # a family of micro-batch 4 and 8 (the global batch following) beside a row of its own
+    rows = [throughput_row(), throughput_row(micro_batch=8, global_batch=128), throughput_row(seq_len=4096)]
+    path = write(tmp_path / "family.csv", THROUGHPUT_HEADER, [[r[c] for c in THROUGHPUT_HEADER] for r in rows])
+    predicted = [r["predicted"] for r in as_json(capsys, path)["per_row"]]
+    model_first = 0 if predicted[0] > predicted[1] else 1
+    for measured_first, right in ((model_first, 1), (1 - model_first, 0)):   # the model right, then wrong
+        for i, r in enumerate(rows[:2]):
+            r["measured_tokens_per_s_per_gpu"] = 60000 if i == measured_first else 40000
+        write(path, THROUGHPUT_HEADER, [[r[c] for c in THROUGHPUT_HEADER] for r in rows])
+        s = as_json(capsys, path)["summary"]["fastest_in_family"]
+        assert (s["families"], s["rows"], s["right"], s["fraction"]) == (1, 2, right, float(right))
+        assert s["runner_up_gap_median"] == pytest.approx(0.5)
+        code, out, _ = run(capsys, path)
+        assert code == 0 and f"right in {right} of 1 ({right:.0%});" in out and "runner-up 50.0% slower" in out
+    # a vTrain file: no such line, null in its summary
+    vtrain = write(tmp_path / "v.csv", VTRAIN_HEADER, [[2, 16, 1, 1024, 16, 2, 1024, 1, 2, 1, 60.0]])
+    assert as_json(capsys, vtrain)["summary"]["fastest_in_family"] is None
+    assert "fastest in family" not in run(capsys, vtrain)[1]
