@@ -287,9 +287,8 @@ HOST_SYNCS = ("layer", "rng_state", "forward_backward")
 # loop and its syncs): the layer's cost per kernel is not checked for a step's kernels
 # (validation_host_constants.md), and the development set does not decide it (megatron_ds2023
 # keeps its step at its host cost, as it was derived; at the floor its median error is lower,
-# its 90th percentile and TP 8's median ratio worse). Their per-collective cost is dropped, not
-# carried over: the development set's residual holds what NCCL 2.14.3's tuner misses on the A100
-# node, and these stacks are priced with NCCL 2.7.8's.
+# its 90th percentile and TP 8's median ratio worse). Their cost per collective call is the same
+# per-op cost (torch.distributed.all_reduce is one op of the same layer code in torch 1.1 too).
 PAPER_STACKS_HOST_S_PER_KERNEL = MEGATRON_DS2023_HOST_S_PER_KERNEL
 # Where the paper's stacks sync. Megatron-LM @ a1d04b79 builds on nvcr.io/nvidia/pytorch:19.05-py3
 # (docker/Dockerfile), a May 2019 torch, and its authors asked for torch 1.1 (NVIDIA/Megatron-LM#7,
@@ -337,12 +336,14 @@ SYSTEMS = {
                            1, 2, fp16_optimizer_2019, grad_copies_without_dp=True,
                            scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
                            host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
+                           host_s_per_collective=PAPER_STACKS_HOST_S_PER_KERNEL,
                            host_syncs=PAPER_STACK_HOST_SYNCS["megatron2019"]),
     "deepspeed2020": System("deepspeed2020", "ZeRO-100B (DeepSpeed 2020)", (0, 1, 2), False, 2,
                             "DeepSpeed deepspeed_zero_optimizer.py @ 97787881: bucket copy and divide, one "
                             "dist.reduce per partition a 5e8 bucket overlaps; overlap_comm False; all_gather after "
                             "the step", 1, 1, deepspeed_2020, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
                             host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
+                            host_s_per_collective=PAPER_STACKS_HOST_S_PER_KERNEL,
                             host_syncs=PAPER_STACK_HOST_SYNCS["deepspeed2020"]),
     "pytorch_ddp": System("pytorch_ddp", "PyTorch DDP", (0,), True, 2,
                           "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets, each gradient copied in and out, "
@@ -350,6 +351,7 @@ SYSTEMS = {
                           "the paper's DDP baseline ran Megatron's training loop with torch DDP]",
                           2, 0, fp16_optimizer_2019, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
                           host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
+                          host_s_per_collective=PAPER_STACKS_HOST_S_PER_KERNEL,
                           host_syncs=PAPER_STACK_HOST_SYNCS["pytorch_ddp"]),
     "megatron_ds2023": System("megatron_ds2023", "Megatron-DeepSpeed 2023", (0,), False, 1,
                               "Megatron-DeepSpeed @ f01c9e6e (2023-06) on PyTorch 2.0.1, CUDA 11.8, NCCL 2.14.3 and apex "
