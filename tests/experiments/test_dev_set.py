@@ -83,21 +83,31 @@ def test_each_files_report_is_what_validate_prints_for_it(key, capsys, monkeypat
 
 
 def test_the_targets_verdict_by_hand():
-    target = dev_set.Target(0.08, 0.20, 1.5)
-    assert target.misses(0.05, 0.19, 1.49) == []
-    assert target.misses(0.05, 0.21, 1.6) == ["p90 (0.210 > 0.2)", "worst factor (1.600 > 1.5)"]
-    assert target.text() == "median <= 0.08, p90 <= 0.20, worst within 1.5x"
+    target = dev_set.Target(0.08, 0.20, 1.5, "TP")
+    assert target.misses(0.05, 0.19, 1.49, {"1": 0.95, "8": 1.1}) == []
+    assert target.misses(0.05, 0.21, 1.6, {}) == ["p90 (0.210 > 0.2)", "worst factor (1.600 > 1.5)"]
+    assert target.text() == "median <= 0.08, p90 <= 0.20, worst within 1.5x, median ratio by TP 0.9-1.1"
+    # each group's median ratio within 0.9-1.1
+    assert target.misses(0.05, 0.19, 1.49, {"1": 0.99, "8": 0.835}) == ["median ratio of TP 8 (0.8350 outside 0.9-1.1)"]
+    assert target.misses(0.05, 0.19, 1.49, {"2": 1.101}) == ["median ratio of TP 2 (1.1010 outside 0.9-1.1)"]
     # the ranking target: the fastest in family right in >= 80%; no family leaves it untested, a miss
-    ranked = dev_set.Target(0.10, 0.25, 1.5, 0.80)
-    assert ranked.text() == "median <= 0.10, p90 <= 0.25, worst within 1.5x, fastest in family right in >= 80%"
-    assert ranked.misses(0.05, 0.19, 1.49, 0.8) == [] and target.misses(0.05, 0.19, 1.49, 0.1) == []
-    assert ranked.misses(0.05, 0.19, 1.49, 0.75) == ["fastest in family right (0.750 < 0.8)"]
-    assert ranked.misses(0.05, 0.19, 1.49) == ["fastest in family (no family of 2 or more predicted rows: untested)"]
+    ranked = dev_set.Target(0.10, 0.25, 1.5, "sequence length", 0.80)
+    assert ranked.text() == ("median <= 0.10, p90 <= 0.25, worst within 1.5x, median ratio by sequence length 0.9-1.1, "
+                             "fastest in family right in >= 80%")
+    assert ranked.misses(0.05, 0.19, 1.49, {}, 0.8) == [] and target.misses(0.05, 0.19, 1.49, {}, 0.1) == []
+    assert ranked.misses(0.05, 0.19, 1.49, {}, 0.75) == ["fastest in family right (0.750 < 0.8)"]
+    assert ranked.misses(0.05, 0.19, 1.49, {}) == ["fastest in family (no family of 2 or more predicted rows: untested)"]
     # the issue's targets, by file
-    assert {f.key: (f.target.median, f.target.p90, f.target.worst_factor) for f in dev_set.DEV_SET} == {
-        "single_node": (0.08, 0.20, 1.5), "multi_node": (0.10, 0.25, 1.5), "fsdp": (0.10, 0.25, 1.5)}
+    assert {f.key: (f.target.median, f.target.p90, f.target.worst_factor, f.target.band_group) for f in dev_set.DEV_SET} \
+        == {"single_node": (0.08, 0.20, 1.5, "TP"), "multi_node": (0.10, 0.25, 1.5, "TP"),
+            "fsdp": (0.10, 0.25, 1.5, "sequence length")}
     assert {f.key: f.target.fastest_right for f in dev_set.DEV_SET} == {"single_node": None, "multi_node": None,
                                                                          "fsdp": 0.80}
+    # the single-node file's verdict names TP 8's band (its median ratio, validation_single_node.md)
+    single = dev_set.file_score(dev_set.dev_file("single_node"))
+    tp8 = single["median_ratio_by_group"]["TP"]["8"]["median_ratio"]
+    assert [m for m in single["misses"] if m.startswith("median ratio")] == \
+        ([f"median ratio of TP 8 ({tp8:.4f} outside 0.9-1.1)"] if not 0.9 <= tp8 <= 1.1 else [])
 
 
 def test_the_scorecard_has_one_line_per_file_against_its_targets():
@@ -115,6 +125,7 @@ def test_the_scorecard_has_one_line_per_file_against_its_targets():
                                f"(factor {s['worst_factor']:.2f}), median ratio {e['median_ratio']:.3f}; "
                                f"{s['predicted']} predicted, {s['refused']} refused")
         met = e["median"] <= f.target.median and e["p90"] <= f.target.p90 and s["worst_factor"] <= f.target.worst_factor
+        met = met and all(0.9 <= g["median_ratio"] <= 1.1 for g in s["median_ratio_by_group"][f.target.band_group].values())
         if f.target.fastest_right is not None:   # the FSDP file: its ranking check in its line, and in its verdict
             ranked = s["fastest_in_family"]
             met = met and ranked["fraction"] is not None and ranked["fraction"] >= f.target.fastest_right
