@@ -7,8 +7,9 @@ into the same step-time composition (experiments/analysis/step_time.py):
 - a GemmModel: the fraction of `peak_flops` a GEMM (m x k) @ (k x n) reaches. The GPU profiles
   use tile and wave quantization over the SMs under a large-GEMM ceiling (gemm.py); a calibrated
   profile interpolates its measured table (calibrated.py, written by `make calibrate`).
-- a CollectiveModel: seconds for one collective. The GPU profiles use NCCL 2.7.8's own cost
-  model (nccl.py); a calibrated profile its measured gloo latency and bandwidth.
+- a CollectiveModel: seconds for one collective. The GPU profiles use NCCL's own cost model
+  (nccl.py), behind a measured all-reduce table where the cluster names one (collective_table.py);
+  a calibrated profile its measured gloo latency and bandwidth.
 
 The GPU profiles' constants live in conf/cluster/<name>.yaml (one source of truth: the same
 file the sweeps' `cluster=` reads); each is sourced in SOURCES below, keyed "<cluster>.<key>".
