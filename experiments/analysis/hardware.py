@@ -114,9 +114,12 @@ SOURCES = {
                               "(Shoeybi et al. 2019, arXiv 1909.08053 §5.1.1)",
     "dgx_h100.peak_tflops": "989: NVIDIA H100 SXM datasheet (bf16/fp16 tensor core, dense; 1979 with sparsity)",
     "dgx_h100.sms": "132: NVIDIA H100 SXM5 datasheet / Hopper architecture whitepaper",
-    "dgx_h100.gemm_ceiling": "0.75 [unverified]: a reading of cuBLAS 12.0's large bf16 GEMMs on H100 SXM (NVIDIA "
-                             "developer blog, 'New cuBLAS 12.0 Features and Matrix Multiplication Performance on "
-                             "NVIDIA Hopper GPUs'); no headline target uses this profile",
+    "dgx_h100.gemm_ceiling": "0.828 [derived]: the Maximum Achievable Matmul FLOPS measured on an H100 SXM, 794.5 of "
+                             "989 TFLOPs at its best shape 2048 x 2048 x 13312 (bf16, torch 2.7.0 + CUDA 12.6; "
+                             "stas00/ml-engineering, compute/accelerator/README.md), over gemm.py's tile and wave "
+                             "losses at that shape (0.970), as dgx_a100's; a best-of-shapes figure, so an upper "
+                             "reading (on the A100 the same reading predicts the development set's compute-heavy "
+                             "steps fast); no headline target uses this profile",
     "dgx_h100.hbm_gb_per_s": "3350: NVIDIA H100 SXM datasheet (HBM3, 3.35 TB/s)",
     "dgx_h100.hbm_fraction": "0.833 [assumption]: V100's measured fraction (Jia et al. 2018) carried over",
     "dgx_h100.kernel_floor_us": "5: PyTorch per-op host overhead with autograd (pytorch/pytorch#41383)",

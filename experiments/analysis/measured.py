@@ -17,8 +17,10 @@ Two schemas, told apart by their columns:
   it, the gradients reduced in the dtype of the row's mixed-precision mode); a row of another
   source is refused unless `system=` names one (zero_repro: this engine at the ZeRO stage of the
   row's sharding strategy). The cluster comes from the row's GPU unless given. The row's
-  attention_impl is not read for the prediction: the system's kernel is used (every llm-foundry
-  row is Triton's); it and the other provenance columns (THROUGHPUT_RUN) only tell families apart.
+  attention_impl, where it names a kernel the model prices (ATTENTION_IMPLS, its first word:
+  llm-foundry's attn_impl values), selects it; empty, the system's kernel; a name that does not
+  say which kernel ran ("flash": flash-attn v1 or v2) refuses the row. It and the other
+  provenance columns (THROUGHPUT_RUN) also tell families apart.
 
 The error is on step time: ratio = predicted / measured seconds per step (for a throughput file,
 measured / predicted tokens per second), error |ratio - 1|. A throughput file's summary adds the
@@ -77,6 +79,12 @@ FAMILY_KEY = ("source", "gpu", "gpus", "layers", "hidden", "heads", "kv_heads", 
 FAMILY_RULE = "the largest micro-batch without activation checkpointing"
 # FSDP's sharding strategies as ZeRO stages (the compilation names them inside longer text)
 SHARDING_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
+# a throughput row's attention_impl (its first word, lower case) -> the kernel the model prices
+# (attention.MEASURED, or the block's unfused path): llm-foundry's attn_impl `triton` is its Triton
+# flash kernel, `torch` MPT's unfused attention; `flash2` names FlashAttention-2. llm-foundry's
+# `flash` is whichever flash-attn is installed (v1 with torch 1.13's images, v2 with
+# `.[gpu-flash2]`): refused unless the cell says which
+ATTENTION_IMPLS = {"triton": "flash_triton", "torch": "unfused", "flash2": "flash2"}
 # a throughput row's GPU -> the profile of its machine
 GPU_CLUSTERS = {"A100 80GB": "dgx_a100", "A100 40GB": "dgx_a100_40gb", "H100 80GB": "dgx_h100"}
 # a throughput row's source -> the system that models its stack, and its model's block as the
@@ -284,8 +292,25 @@ def throughput_row(text: dict) -> dict:
     return row
 
 
+def attention_kernel(row: dict) -> str | None:
+    """The kernel a throughput row's attention_impl names (ATTENTION_IMPLS); None where the cell is
+    empty (the system's own); ValueError where it names none the model prices."""
+    words = row.get("attention_impl", "").replace("(", " ").split()
+    if not words:
+        return None
+    name = words[0].lower()
+    if name not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl {words[0]!r}: not one the model prices (its first word one of "
+                         f"{', '.join(ATTENTION_IMPLS)}; 'flash' does not say which flash-attn ran)")
+    return ATTENTION_IMPLS[name]
+
+
 def _throughput_refusal(row: dict) -> str | None:
     """Why the model cannot express a throughput row beyond its layout, or None."""
+    try:
+        attention_kernel(row)
+    except ValueError as e:
+        return str(e)
     if row["cp"] > 1:
         return "context parallelism > 1: not modelled"
     if row["activation_cpu_offload"]:
@@ -318,7 +343,8 @@ def _throughput_outcome(index: int, text: dict, row: dict, system: str | None, c
     x = st.StepInputs(**st.shape_inputs(model, row["tp"]), micro_batch=row["micro_batch"], tp=row["tp"],
                       dp=row["dp"], stage=stage, recompute=row["recompute"],
                       grad_accum=row["global_batch"] // (row["micro_batch"] * row["dp"]),
-                      element_bytes=st.PRECISION_BYTES[row["precision"].removeprefix("amp_")], reduce_bytes=mode)
+                      element_bytes=st.PRECISION_BYTES[row["precision"].removeprefix("amp_")], reduce_bytes=mode,
+                      attention=attention_kernel(row))
     return _predicted(base, x, system or SOURCE_SYSTEMS[source], cluster or GPU_CLUSTERS[row["gpu"]])
 
 

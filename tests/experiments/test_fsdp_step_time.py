@@ -34,6 +34,21 @@ def test_flash_attention_runs_its_flops_at_the_rate_its_authors_measured():
     assert kn.compute_time([(kernel, 1)], a100).gemm_s == pytest.approx(device)
 
 
+def test_the_h100_rates_are_the_fa2_figures_h100_bars_and_its_ceiling_mamfs():
+    h100 = profile("dgx_h100")
+    # flash2_h100_fwd_bwd_benchmark.png @ 4f285b3, panels (c) and (d): causal, d 64 and d 128
+    assert attention.AttentionCall("flash2", 128, 2048, True, "forward").flops_per_s(h100) == 265e12
+    assert attention.AttentionCall("flash2", 64, 16384, True, "backward").flops_per_s(h100) == 284e12
+    assert attention.AttentionCall("flash_triton", 128, 512, True, "forward").flops_per_s(h100) == 98e12   # FA1
+    assert attention.AttentionCall("flash_triton", 64, 8192, True, "forward").flops_per_s(h100) == 149e12
+    with pytest.raises(ValueError, match="non-causal"):
+        attention.AttentionCall("flash2", 128, 2048, False, "forward").flops_per_s(h100)
+    # MAMF's 794.5 of 989 at 2048 x 2048 x 13312 over the model's losses there: 256 x 128 tiles,
+    # 8 x 16 = 128 on 132 SMs in one wave (128/132), no k pipeline on Hopper's profile
+    assert h100.gemm.efficiency(2048, 2048, 13312) == pytest.approx(h100.gemm.ceiling * 128 / 132)
+    assert h100.gemm.ceiling == pytest.approx(794.5 / 989 / (128 / 132), abs=5e-4)
+
+
 def kn_block_forward(x):
     return layers.LAYERS["torch_block"][0](x)
 

@@ -4,6 +4,7 @@ reasons, a row's inputs are the ones worked by hand, and bad input is one line w
 from __future__ import annotations
 
 import csv
+from dataclasses import replace
 import json
 import subprocess
 import sys
@@ -165,6 +166,31 @@ def test_llm_foundry_rows_are_predicted_by_its_fsdp1_system_and_another_source_i
     assert code == 0 and f"      1  {reason}" in out and "no row predicted" in out
     stages = as_json(capsys, foundry_file, "system=megatron_ds2023")["per_row"][0]["reason"]
     assert stages == "system megatron_ds2023 runs ZeRO stages [0], not 3"
+
+
+def test_the_rows_attention_impl_picks_the_kernel_and_h100_rows_are_predicted(tmp_path, capsys):
+    header = THROUGHPUT_HEADER + ["attention_impl"]
+    impls = ["triton (submit_benchmarks.py default)", "", "flash2", "torch", "flash", "Triton"]
+    rows = [throughput_row(attention_impl=a) for a in impls] + [throughput_row(gpu="H100 80GB", attention_impl="triton"),
+                                                                throughput_row(gpu="H100 80GB", precision="amp_fp8",
+                                                                               attention_impl="")]
+    per = as_json(capsys, write(tmp_path / "impl.csv", header, [[r[c] for c in header] for r in rows]))["per_row"]
+    step = [r["predicted_step_s"] for r in per]
+    # triton (any case) is the system's own kernel, llm-foundry's default: as an empty cell
+    assert step[0] == step[1] == step[5]
+    x = st.StepInputs(**st.shape_inputs({"layers": 2, "hidden": 512, "heads": 8, "seq_len": 2048,
+                                         "vocab_size": 50368}, 1), micro_batch=4, tp=1, dp=8, stage=3,
+                      recompute=False, grad_accum=2, element_bytes=2)
+    for i, kernel in ((0, None), (2, "flash2"), (3, "unfused")):
+        by_hand = st.predict(replace(x, attention=kernel), profile("dgx_a100"), "llm_foundry_fsdp1").step_s
+        assert step[i] == pytest.approx(by_hand), impls[i]
+    assert step[2] < step[0] < step[3]      # FlashAttention-2 beats the Triton kernel, which beats torch's
+    assert per[4]["reason"] == ("attention_impl 'flash': not one the model prices (its first word one of "
+                                "triton, torch, flash2; 'flash' does not say which flash-attn ran)")
+    # an H100 row: its GPU's profile and the H100 rates; fp8 is refused
+    assert (per[6]["status"], per[6]["cluster"]) == ("predicted", "dgx_h100")
+    assert per[6]["predicted_step_s"] == pytest.approx(st.predict(x, profile("dgx_h100"), "llm_foundry_fsdp1").step_s)
+    assert per[7]["reason"] == "precision 'amp_fp8': not modelled"
 
 
 def test_fsdp_rows_predicted_by_this_engine_at_stage_3(foundry_file, capsys):
