@@ -58,9 +58,6 @@ class ClusterConfig:
     nics_per_node: Optional[int] = None          # inter-node NICs per node (inter_node_gbps is all of them)
     pcie_gb_per_s: Optional[float] = None        # host <-> device per GPU, per direction, achievable
     compute_capability: Optional[int] = None     # 70 Volta, 80 Ampere, 90 Hopper: NCCL's and the GEMM tiles' generation
-    # nccl-tests' all-reduce measured on this cluster's node (a CSV, collective_table.py's
-    # columns; a path from the repository root): read in front of NCCL's tuner; None: the tuner
-    all_reduce_table: Optional[str] = None
     # what one node writes to the checkpoint file system while every node of the job writes
     # (GB/s): an assumption per cluster (conf/cluster/*.yaml says whose); None: not checked
     checkpoint_write_gb_per_s: Optional[float] = None

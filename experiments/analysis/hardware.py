@@ -7,9 +7,8 @@ into the same step-time composition (experiments/analysis/step_time.py):
 - a GemmModel: the fraction of `peak_flops` a GEMM (m x k) @ (k x n) reaches. The GPU profiles
   use tile and wave quantization over the SMs under a large-GEMM ceiling (gemm.py); a calibrated
   profile interpolates its measured table (calibrated.py, written by `make calibrate`).
-- a CollectiveModel: seconds for one collective. The GPU profiles use NCCL's own cost model
-  (nccl.py), behind a measured all-reduce table where the cluster names one (collective_table.py);
-  a calibrated profile its measured gloo latency and bandwidth.
+- a CollectiveModel: seconds for one collective. The GPU profiles use NCCL 2.7.8's own cost
+  model (nccl.py); a calibrated profile its measured gloo latency and bandwidth.
 
 The GPU profiles' constants live in conf/cluster/<name>.yaml (one source of truth: the same
 file the sweeps' `cluster=` reads); each is sourced in SOURCES below, keyed "<cluster>.<key>".
@@ -22,7 +21,6 @@ from typing import Protocol
 
 import yaml
 
-from experiments.analysis.collective_table import MeasuredAllReduce, read_table
 from experiments.analysis.gemm import K_PIPELINE_BY_COMPUTE_CAPABILITY, TILES_BY_COMPUTE_CAPABILITY, TileWaveGemm
 from experiments.analysis.nccl import Nccl
 
@@ -168,17 +166,12 @@ SOURCES = {
                                    "as it is (NCCL's bus is the node's bandwidth either way) and moves TP 16's small "
                                    "micro-batches by up to 7.6% (cross-node TP all-reduces under NCCL's per-channel "
                                    "caps); the median error is 0.156 with either",
-    "dgx_a100.all_reduce_table": "results/external/vtrain_a100_allreduce.csv: nccl-tests' all_reduce_perf on the "
-                                 "A100 node of the development set (VIA-Research/vTrain @ f8dda847, trace/a100/"
-                                 "AR_GPU{2,4,8}_1M_1024M_LUT), 2, 4 and 8 GPUs, 1 MiB-1 GiB; a published measurement "
-                                 "(collective_table.py)",
     "nccl": "NCCL 2.7.8 (2020-07) cost model and constants, src/graph/tuning.cc (ncclTopoTuneModel, "
             "ncclTopoGetAlgoTime): experiments/analysis/nccl.py",
 }
 # dgx_a100_800g is dgx_a100's node (GPU, NVLink, PCIe) on vTrain's network
 SOURCES |= {f"dgx_a100_800g.{k}": SOURCES[f"dgx_a100.{k}"]
             for k in PROFILE_KEYS if k not in ("inter_node_gbps", "nics_per_node")}
-SOURCES["dgx_a100_800g.all_reduce_table"] = SOURCES["dgx_a100.all_reduce_table"]
 # dgx_a100_40gb is dgx_a100 with the 40 GB part's memory (llm-foundry's A100 40GB rows)
 SOURCES |= {f"dgx_a100_40gb.{k}": SOURCES[f"dgx_a100.{k}"] for k in PROFILE_KEYS if k != "hbm_gb_per_s"}
 SOURCES["dgx_a100_40gb.hbm_gb_per_s"] = "1555: NVIDIA A100 40 GB SXM datasheet (HBM2, 1,555 GB/s)"
@@ -210,22 +203,14 @@ def from_cluster(cluster: dict | None) -> Hardware | None:
         gpus_per_node=cluster["gpus_per_node"], pcie_bytes_per_s=cluster["pcie_gb_per_s"] * 1e9,
         gemm=TileWaveGemm(sms=cluster["sms"], ceiling=cluster["gemm_ceiling"], tiles=TILES_BY_COMPUTE_CAPABILITY[cc],
                           **dict(zip(("k_tile", "stages"), K_PIPELINE_BY_COMPUTE_CAPABILITY.get(cc, (None, 1))))),
-        collectives=collective_model(cluster, cc),
-        sources={k: SOURCES[f"{name}.{k}"] for k in PROFILE_KEYS if f"{name}.{k}" in SOURCES}
-        | {"collectives": SOURCES["nccl"]}
-        | ({"all_reduce_table": SOURCES[f"{name}.all_reduce_table"]} if cluster.get("all_reduce_table") else {}),
+        # NCCL turns LL128 on only for Volta and Ampere with NVLink; the NCCL release is the
+        # system's (step_time.predict sets it; 2.7.8 until then)
+        collectives=Nccl(nvlink_links=cluster["nvlink_links"], nvlink_gb_per_s=cluster["nvlink_link_gb_per_s"],
+                         nics_per_node=cluster["nics_per_node"],
+                         nic_gb_per_s=cluster["inter_node_gbps"] / 8 / cluster["nics_per_node"],
+                         ll128=cc in (70, 80), compute_capability=cc),
+        sources={k: SOURCES[f"{name}.{k}"] for k in PROFILE_KEYS if f"{name}.{k}" in SOURCES} | {"collectives": SOURCES["nccl"]},
         compute_capability=cc)
-
-
-def collective_model(cluster: dict, cc: int) -> CollectiveModel:
-    """NCCL's tuner for the cluster's links, behind its measured all-reduce table where it names
-    one (collective_table.py). NCCL turns LL128 on only for Volta and Ampere with NVLink; the
-    NCCL release is the system's (step_time.predict sets it; 2.7.8 until then)."""
-    tuner = Nccl(nvlink_links=cluster["nvlink_links"], nvlink_gb_per_s=cluster["nvlink_link_gb_per_s"],
-                 nics_per_node=cluster["nics_per_node"], nic_gb_per_s=cluster["inter_node_gbps"] / 8 / cluster["nics_per_node"],
-                 ll128=cc in (70, 80), compute_capability=cc)
-    table = cluster.get("all_reduce_table")
-    return MeasuredAllReduce(read_table(table), tuner, table) if table else tuner
 
 
 def profile(name: str) -> Hardware | None:

@@ -60,12 +60,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from math import ceil
 
-from experiments.analysis.collective_table import tuner_of, with_tuner
 from experiments.analysis.flops import layer_weights, model_flops_per_iteration
 from experiments.analysis.hardware import Hardware, from_cluster, profile
 from experiments.analysis.kernels import ATTENTION_DROPOUT, ComputeTime, LayerShape, compute_time
 from experiments.analysis.layers import LAYERS, step_kernels
-from experiments.analysis.nccl import concurrent_groups, nodes_of
+from experiments.analysis.nccl import Nccl, concurrent_groups, nodes_of
 from experiments.analysis.systems import (RNG_STATE_BYTES, RNG_STATE_COPIES, SYSTEMS, DpPlan, System, dp_plan,
                                           optimizer_bytes_per_param, parameter_tensors, record_plan)
 
@@ -381,12 +380,12 @@ def sm_share(hw: Hardware, group: tuple[int, int, int]) -> float:
     an NVSwitch A100 node, NVIDIA/nccl-tests#100]; 0 where the collectives are not NCCL's (a
     calibrated CPU host measures its own overlap)."""
     ranks, per_node, _ = group
-    sms, tuner = getattr(hw.gemm, "sms", None), tuner_of(hw.collectives)
-    if ranks <= 1 or sms is None or tuner is None:
+    sms = getattr(hw.gemm, "sms", None)
+    if ranks <= 1 or sms is None or not isinstance(hw.collectives, Nccl):
         return 0.0
     # the channels of one group alone on its NICs: groups sharing them share bandwidth, but each
     # communicator still runs its own blocks on every member GPU
-    return min(1.0, tuner.bus(ranks, nodes_of(ranks, per_node), 1)[1] / sms)
+    return min(1.0, hw.collectives.bus(ranks, nodes_of(ranks, per_node), 1)[1] / sms)
 
 
 def overlapped(compute: float, comm: float, edge: float, share: float) -> tuple[float, float]:
@@ -460,9 +459,8 @@ def system_hardware(hw: Hardware, system: str | System) -> Hardware:
     charges its step's kernels (the optimizer's and the gradient copies') at its host cost per
     kernel, that cost in place of the profile's kernel floor."""
     sys = resolve_system(system)
-    tuner = tuner_of(hw.collectives)
-    if tuner is not None and tuner.version != sys.nccl:
-        hw = replace(hw, collectives=with_tuner(hw.collectives, replace(tuner, version=sys.nccl)))
+    if isinstance(hw.collectives, Nccl) and hw.collectives.version != sys.nccl:
+        hw = replace(hw, collectives=replace(hw.collectives, version=sys.nccl))
     if sys.host_s_per_kernel is not None and sys.step_kernels_at_host_cost:
         hw = replace(hw, kernel_floor_s=sys.host_s_per_kernel)
     return hw

@@ -258,16 +258,14 @@ def torch_adamw(e: int, stage: int) -> OptimizerStep:
 
 
 # Megatron-DeepSpeed 2023 on PyTorch 2.0.1 (the development set's stack, step_time.host_windows):
-# host seconds per kernel its layer issues and per collective call, an independent measurement,
-# none derived from a scored file (experiments/reports/dev_set.py measured_constants; a test
-# keeps these equal to it). Per kernel: megatron-core's layer timed on a CPU by this project
-# (reports/host_ops.py --time, results/reference/bench/layer_host_time.csv: 2.993 ms of host time
-# a micro-batch) over the 77 kernels the model counts in a layer. Per collective call: the same
-# cost [assumption]: torch.distributed.all_reduce is one dispatcher op (c10d::allreduce_) issued
-# by the same layer code, and no measurement of ProcessGroupNCCL's own call cost is sourced; the
-# NCCL kernel's device time is the cluster's measured table (collective_table.py). The
-# single-node file's slopes give 39.9 and 48.1 us (validation_host_constants.md), each within
-# 1.5x of this measurement; neither is used (validation_loso_constants.md).
+# host seconds per kernel its layer issues and per collective call, none derived from a scored
+# file (experiments/reports/dev_set.py measured_constants; a test keeps these equal to it). Per
+# kernel: megatron-core's layer timed on a CPU by this project (reports/host_ops.py --time,
+# results/reference/bench/layer_host_time.csv: 2.993 ms of host time a micro-batch) over the 77
+# kernels the model counts in a layer: a measurement. Per collective call: the same per-kernel
+# cost, an assumption (the call is issued by the same layer code; no c10d call is timed here:
+# the CPU proxy runs at TP 1). The single-node file's slopes give 39.9 and 48.1 us
+# (validation_host_constants.md); neither is used (validation_loso_constants.md).
 MEGATRON_DS2023_HOST_S_PER_KERNEL = 38.9e-6
 MEGATRON_DS2023_HOST_S_PER_COLLECTIVE = MEGATRON_DS2023_HOST_S_PER_KERNEL
 
@@ -287,8 +285,9 @@ HOST_SYNCS = ("layer", "rng_state", "forward_backward")
 # loop and its syncs): the layer's cost per kernel is not checked for a step's kernels
 # (validation_host_constants.md), and the development set does not decide it (megatron_ds2023
 # keeps its step at its host cost, as it was derived; at the floor its median error is lower,
-# its 90th percentile and TP 8's median ratio worse). Their cost per collective call is the same
-# per-op cost (torch.distributed.all_reduce is one op of the same layer code in torch 1.1 too).
+# its 90th percentile and TP 8's median ratio worse). They carry no cost per collective call:
+# Megatron-LM 2019's kernel lists (kernels.py) price its TP all-reduces as device time, and no
+# call is issued through the host model.
 PAPER_STACKS_HOST_S_PER_KERNEL = MEGATRON_DS2023_HOST_S_PER_KERNEL
 # Where the paper's stacks sync. Megatron-LM @ a1d04b79 builds on nvcr.io/nvidia/pytorch:19.05-py3
 # (docker/Dockerfile), a May 2019 torch, and its authors asked for torch 1.1 (NVIDIA/Megatron-LM#7,
@@ -336,14 +335,12 @@ SYSTEMS = {
                            1, 2, fp16_optimizer_2019, grad_copies_without_dp=True,
                            scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
                            host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
-                           host_s_per_collective=PAPER_STACKS_HOST_S_PER_KERNEL,
                            host_syncs=PAPER_STACK_HOST_SYNCS["megatron2019"]),
     "deepspeed2020": System("deepspeed2020", "ZeRO-100B (DeepSpeed 2020)", (0, 1, 2), False, 2,
                             "DeepSpeed deepspeed_zero_optimizer.py @ 97787881: bucket copy and divide, one "
                             "dist.reduce per partition a 5e8 bucket overlaps; overlap_comm False; all_gather after "
                             "the step", 1, 1, deepspeed_2020, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
                             host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
-                            host_s_per_collective=PAPER_STACKS_HOST_S_PER_KERNEL,
                             host_syncs=PAPER_STACK_HOST_SYNCS["deepspeed2020"]),
     "pytorch_ddp": System("pytorch_ddp", "PyTorch DDP", (0,), True, 2,
                           "PyTorch DDP (Li et al., VLDB 2020): 25 MB buckets, each gradient copied in and out, "
@@ -351,7 +348,6 @@ SYSTEMS = {
                           "the paper's DDP baseline ran Megatron's training loop with torch DDP]",
                           2, 0, fp16_optimizer_2019, scalar_half_load_fraction=TORCH_1_4_SCALAR_HALF_LOADS,
                           host_s_per_kernel=PAPER_STACKS_HOST_S_PER_KERNEL,
-                          host_s_per_collective=PAPER_STACKS_HOST_S_PER_KERNEL,
                           host_syncs=PAPER_STACK_HOST_SYNCS["pytorch_ddp"]),
     "megatron_ds2023": System("megatron_ds2023", "Megatron-DeepSpeed 2023", (0,), False, 1,
                               "Megatron-DeepSpeed @ f01c9e6e (2023-06) on PyTorch 2.0.1, CUDA 11.8, NCCL 2.14.3 and apex "

@@ -32,7 +32,6 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from experiments.analysis import step_time as st
-from experiments.analysis.collective_table import tuner_of, with_tuner
 from experiments.analysis.flops import recompute_factor
 from experiments.analysis.hardware import load_cluster, profile
 from experiments.analysis.memory import max_params, model_state_bytes
@@ -539,7 +538,7 @@ def _moved(cluster: str, key: str, factor: float):
     conf = load_cluster(cluster)
     if key == "nccl_latency":
         hw = from_cluster(conf)
-        return replace(hw, collectives=with_tuner(hw.collectives, replace(tuner_of(hw.collectives), latency_scale=factor)))
+        return replace(hw, collectives=replace(hw.collectives, latency_scale=factor))
     return from_cluster({**conf, key: conf[key] * factor})
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from experiments.analysis import measured
-from experiments.analysis.collective_table import tuner_of
 from experiments.analysis.hardware import PROFILE_KEYS, SOURCES, load_cluster, profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +25,7 @@ def test_the_profile_is_dgx_a100s_node_with_800_gbps_between_nodes():
     assert differ == {"inter_node_gbps", "nics_per_node"}
     assert (vtrain["inter_node_gbps"], vtrain["nics_per_node"]) == (800, 4)
     assert "inter_node_bandwidth: 800" in SOURCES["dgx_a100_800g.inter_node_gbps"]
-    nccl = tuner_of(profile("dgx_a100_800g").collectives)
+    nccl = profile("dgx_a100_800g").collectives
     assert nccl.nic_gb_per_s == 25.0                       # 800 / 8 bits / 4 NICs, NCCL's speed / 8000
     assert nccl.bus(64, 8, 1) == (100.0, 4.0)              # the node's NICs, below 12 NVLinks x 22 GB/s
     assert nccl.bus(32, 4, 2) == (50.0, 2.0)               # two DP groups (TP 2) share them
@@ -42,10 +41,10 @@ def test_the_dp_all_reduce_of_the_3_6b_tp1_row_by_hand():
     latency = 1.9 * (8.4 + 110 * 3.4 + 16 * 9.6) * 1e-6
     by_hand = latency + 2 * psi / (100e9 * 64 / 126)
     assert by_hand == pytest.approx(0.14117, abs=1e-5)
-    nccl = replace(tuner_of(profile("dgx_a100_800g").collectives), version="2.14.3")
+    nccl = replace(profile("dgx_a100_800g").collectives, version="2.14.3")
     assert nccl.choice("all_reduce", 2 * psi, 64, 8) == ("ring", "Simple", pytest.approx(by_hand))
     # dgx_a100's 1,600 Gb/s halves it: the 0.07 s the file was validated with before
-    a100 = replace(tuner_of(profile("dgx_a100").collectives), version="2.14.3")
+    a100 = replace(profile("dgx_a100").collectives, version="2.14.3")
     assert a100.time_s("all_reduce", 2 * psi, 64, 8) == pytest.approx(latency + 2 * psi / (200e9 * 64 / 126))
     row = measured.predict_file(MULTI)[1][0]
     assert (row.row["tp"], row.row["dp"], row.cluster) == (1, 64, "dgx_a100_800g")

@@ -13,7 +13,4 @@ def test_every_profile_constant_and_its_source_is_on_the_page():
         for key in PROFILE_KEYS:
             row = f"| `{key}` | {conf[key]:g} | {SOURCES[f'{name}.{key}'].replace('|', '/')} |"
             assert row in page, f"{name}.{key}: docs/performance_sources.md is stale"
-        if conf.get("all_reduce_table"):   # an optional key: a measured table in front of NCCL's tuner
-            row = f"| `all_reduce_table` | {conf['all_reduce_table']} | {SOURCES[f'{name}.all_reduce_table']} |"
-            assert row in page, f"{name}.all_reduce_table: docs/performance_sources.md is stale"
     assert SOURCES["nccl"] in page
