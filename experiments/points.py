@@ -601,7 +601,16 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
     model states, the activations of its micro-batch, Korthikanti et al. 2022, with the point's
     recomputation, and the engine's buffers, experiments/analysis/activations.py) and the
     optimizer step's (the model states and the step's temporaries, analysis/memory.py
-    optimizer_step_bytes, with a foreach Adam as on CUDA), each with its terms; `peak_phase`.
+    optimizer_step_bytes, with a foreach Adam as on CUDA, and the local attention's score buffer,
+    which megatron holds from the first forward on: activations.score_buffer_bytes), each with
+    its terms; `peak_phase`.
+    Backward's peak is the larger of two moments. The loss's working set (its forward, and its
+    backward up to the output layer's) comes before any gradient of the model: of the engine's
+    buffers only stage 3's gathered units are there (the root holds the output layer). The
+    layers' backward (one recomputed layer's peak, or without recomputation what the last
+    layer's attention adds) comes with all of them: gradient staging, the tied embedding's
+    gradient, the gathered units. (Simulated: Figure 2's and 4's micro-batch-24 points peak at
+    the loss with no engine buffer allocated.)
     dropout: count dropout masks, as the paper's recipe trains (the benchmark model has none); never
     for a shape other than GPT-2's (Llama's and MPT's recipes have no dropout)."""
     shape = point.shape
@@ -630,10 +639,14 @@ def predicted_memory_bytes(point: Point, precision: str, *, dropout: bool = True
     chunk = None if config.optimizer_bucket_size is None else max(config.optimizer_bucket_size, largest_master)
     step = optimizer_step_bytes(params / sharded_over, chunk=chunk, grad_bytes=config.grad_reduce_dtype.itemsize,
                                 master_bytes=config.master_dtype.itemsize)
-    backward = states["total"] + activations["total"] + buffers["total"]
+    held = states["total"] + activations["layers_kept"] + activations["head"] + activations["score_buffer"]
+    at_loss = held + activations["logits"] + buffers["gathered_units"]
+    at_layers = held + activations["recomputed_layer"] + activations["last_layer_transient"] + buffers["total"]
+    backward = max(at_loss, at_layers)
+    at_step = states["total"] + activations["score_buffer"] + step
     return {"model_states": states["total"], "activations": activations["total"], "buffers": buffers["total"],
-            "step_temporaries": step, "total": max(backward, states["total"] + step),
-            "peak_phase": "step" if states["total"] + step > backward else "backward",
+            "step_temporaries": step, "total": max(backward, at_step),
+            "peak_phase": "step" if at_step > backward else "backward",
             "terms": {"model_states": states, "activations": activations, "buffers": buffers}}
 
 

@@ -21,6 +21,13 @@ t = tensor-parallel degree, p = bytes per activation element (2 for fp16/bf16):
   layer's input is kept, p·s·b·h bytes per layer = 2sbh at fp16, held whole by every TP rank
   (not divided by t) unless ZeRO-R's Pa partitions it; backward then recomputes one layer at a
   time, whose full activations (Eq. 2) exist while it runs (`checkpoint_bytes`).
+- Beyond Eq. 1-2, what megatron-core 0.16.1's local (unfused) attention holds while a layer
+  runs, measured op by op (`attention_working_bytes`, `score_buffer_bytes`): its s x s
+  working set peaks at 12·a·s²·b/t bytes at 16 bits (16 in fp32), not the p·a·s²·b/t of the
+  softmax output the paper keeps, and a persistent p-byte buffer of one layer's scores is held
+  from the first forward on. The recomputed layer's peak (or, without recomputation, the last
+  layer's) is the larger of what it keeps and that working set with the tensors around it. A
+  flash-style kernel (TE's) has neither.
 - §4.3, outside the layers: the final LayerNorm's and the output layer's inputs (p·sbh each)
   and the embedding dropout mask (sbh), replicated (`head_bytes`); the cross entropy keeps the
   fp32 softmax of the vocabulary-parallel logits, 4·s·b·V/t. While it runs the p-byte logits
@@ -42,7 +49,9 @@ t = tensor-parallel degree, p = bytes per activation element (2 for fp16/bf16):
   of backward, before its accumulation hook fires.
 
 Peak per GPU (`activation_memory`, `points.predicted_memory_bytes`):
-    model states + kept activations + max(loss working set, one recomputed layer) + buffers.
+    model states + kept activations + score buffer
+        + max(loss working set + stage 3's gathered units, one layer's peak + the engine's buffers):
+    the loss runs before any gradient exists, so the engine's gradient buffers come with the layers.
 """
 from __future__ import annotations
 
@@ -68,7 +77,15 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     head attention on the local spec; with grouped K/V the repeat copies V instead); rmsnorm:
     torch's RMSNorm keeps its normalized input besides its input, p·sbh more per norm. Biases
     keep nothing more. fused_attention: a flash-style kernel (TE's DotProductAttention) keeps no
-    s x s tensor, only its softmax statistics, an fp32 log-sum-exp a row: 4·a·s·b/t."""
+    s x s tensor, only its softmax statistics, an fp32 log-sum-exp a row: 4·a·s·b/t.
+
+    Not counted: at 16 bits megatron's softmax runs in fp32 and saves its fp32 output
+    (fusions/fused_softmax.py:335) beside the p-byte probabilities the context bmm saves, 4·a·s²·b/t
+    more than the paper's softmax output (test_model_choices.py measures the kept set in fp32,
+    where the two are one tensor). With recomputation only one layer's kept set is alive, inside
+    its peak (`attention_working_bytes`); without it, every layer's is short by that much (for
+    GPT-2's shapes the dropout masks counted here, which the simulated model does not run, make
+    up most of it)."""
     s, b, h, a, t, p = seq_len, micro_batch, hidden, heads, tp, bytes_per_element
     masks = 1 if dropout else 0
     replicated = s * b * h * (4 * p + 2 * masks) + (2 * p * s * b * h if rmsnorm else 0)
@@ -81,6 +98,76 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
         sharded = s * b * (qkv + h + f * (5 if swiglu else 2)) * p / t
     attention = (4 * a * s * b if fused_attention else a * s * s * b * (p + masks * (p + 1))) / t
     return replicated + sharded + attention
+
+
+def attention_working_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
+                            bytes_per_element: int = 2, kv_hidden: int | None = None, rotated_copies: bool = False,
+                            rmsnorm: bool = False, fused_attention: bool = False) -> float:
+    """Bytes alive at once on one TP rank while one layer's local (unfused) attention runs, at the
+    layer's peak: its s x s working set and the tensors of the layer alive beside it, the score
+    buffer (`score_buffer_bytes`) left out. U = a·s²·b/t elements; megatron-core 0.16.1 paths
+    (megatron/core/...), with attention_softmax_in_fp32 (build_gpt sets it, megatron's default)
+    and masked_softmax_fusion off (megatron's default: FusedScaleMaskSoftmax.forward_torch_softmax;
+    its fused CUDA kernel, where turned on, takes 16 < s <= 4096 only, fused_softmax.py:256, so a
+    longer sequence runs this path anyway):
+
+    16-bit (p = 2), 12·U bytes, at two moments:
+      forward, at the probabilities' cast (fusions/fused_softmax.py:340, `.bfloat16()`; :338
+      `.half()`): the p-byte raw scores, baddbmm's output (transformer/dot_product_attention.py:194,
+      out of place although beta=0; referenced by `matmul_result`/`attention_scores` until the
+      attention returns), their fp32 up-cast (fused_softmax.py:314 `input.float()`, masked in
+      place by transformer/utils.py:50 `masked_fill_`), the fp32 softmax output (fused_softmax.py:335,
+      saved by softmax for its backward) and the p-byte probabilities (:340, saved by the context
+      bmm, dot_product_attention.py:239): p + 4 + 4 + p = 12.
+      backward, at the softmax's backward (autograd's _softmax_backward_data): the saved fp32
+      softmax output, the gradient of the probabilities cast back to fp32 (the backward of :340's
+      cast; the bmm's p-byte gradient is freed by then, and so is the saved p-byte probabilities)
+      and the fp32 gradient of the scores it returns: 4 + 4 + 4 = 12. With dropout (the paper's
+      recipe) its mask and output are gone by then: still 12 (dropout's forward moment, p + 4 +
+      p + 1 + p, is less).
+    fp32 (p = 4), 16·U bytes: `.float()` is a no-op, so masked_fill_ masks a view of baddbmm's
+      output in place (utils.py:50 on the view of dot_product_attention.py:203); its backward is
+      autograd's CopySlices, which holds a gradient of the whole scores (new_empty_strided), a
+      contiguous clone of the view's gradient and masked_fill's output beside the view's
+      backward zero-filled gradient of the base (new_zeros): 4 tensors of 4 bytes (the softmax's
+      backward, 12, comes before).
+
+    Beside it, of the layer (its MLP's tensors are not made yet in forward, and freed in
+    backward): the attention's input side it keeps, the norm's input and output p·sbh each
+    (+ torch RMSNorm's normalized input, p·sbh) and Q, K, V (kv_hidden, rotated_copies:
+    `layer_activation_bytes`), and in backward three gradients: the layer output's and the
+    residual's, p·sbh each, and the context's, p·sbh/t. A flash-style kernel (fused_attention)
+    has no s x s tensor: 0 (the layer's kept set is then its peak)."""
+    if fused_attention:
+        return 0.0
+    s, b, h, t, p = seq_len, micro_batch, hidden, tp, bytes_per_element
+    kv = h if kv_hidden is None else kv_hidden
+    qkv = h + 2 * kv + (2 * h if rotated_copies else 0)
+    around = s * b * h * p * (4 + (1 if rmsnorm else 0)) + s * b * (qkv + h) * p / t
+    return score_working_bytes(seq_len, micro_batch, heads, tp, bytes_per_element=p) + around
+
+
+def score_working_bytes(seq_len: int, micro_batch: int, heads: int, tp: int = 1, *, bytes_per_element: int = 2,
+                        fused_attention: bool = False) -> float:
+    """The s x s part of `attention_working_bytes`: the most score-sized tensors one layer's local
+    attention holds at once, 12·a·s²·b/t bytes at 16 bits, 16·a·s²·b/t in fp32 (by tensor there),
+    the score buffer left out; 0 with a fused kernel."""
+    if fused_attention:
+        return 0.0
+    return heads * seq_len * seq_len * micro_batch / tp * (12 if bytes_per_element < 4 else 16)
+
+
+def score_buffer_bytes(seq_len: int, micro_batch: int, heads: int, tp: int = 1, *, bytes_per_element: int = 2,
+                       fused_attention: bool = False) -> float:
+    """megatron's preallocated input of the scores' baddbmm, p·a·s²·b/t bytes on one TP rank:
+    transformer/dot_product_attention.py:189 asks parallel_state's GlobalMemoryBuffer for a
+    [b·a/t, s, s] tensor of the query's dtype (name "mpu"); utils.py:628 allocates it once, the
+    first time a layer's attention runs, and keeps it for the process's life (baddbmm with
+    beta=0 writes a new tensor and never frees it). So it is there in every phase after the
+    first forward, the loss's and the optimizer step's included. None with a fused kernel."""
+    if fused_attention:
+        return 0.0
+    return bytes_per_element * heads * seq_len * seq_len * micro_batch / tp
 
 
 def checkpoint_bytes(seq_len: int, micro_batch: int, hidden: int, layers: int, *, bytes_per_element: int = 2) -> float:
@@ -110,8 +197,14 @@ def activation_memory(*, seq_len: int, micro_batch: int, hidden: int, heads: int
                       cpu_checkpointing: bool = False, kv_hidden: int | None = None, ffn: int | None = None,
                       swiglu: bool = False, rotated_copies: bool = False, rmsnorm: bool = False,
                       fused_attention: bool = False) -> dict[str, float]:
-    """Activation bytes per GPU by term, and `total`: what is kept through forward plus the
-    larger of the two transient working sets (the loss's, or one recomputed layer's).
+    """Activation bytes per GPU by term, and `total`: what is kept through forward, the local
+    attention's score buffer (`score_buffer`, held from the first forward on), and the larger
+    of the two transient working sets (the loss's, or one layer's peak).
+    With recomputation, `recomputed_layer` is the recomputed layer's peak: the larger of what it
+    keeps (Eq. 2, at the end of its forward) and its attention's working set with the tensors
+    around it (`attention_working_bytes`, in its softmax's backward). Without, every layer keeps
+    Eq. 2 and the last one's attention adds what its working set holds beyond that
+    (`last_layer_transient`), when the loss's does not dominate.
     With recomputation, ZeRO-R's Pa keeps 1/t of each checkpoint (zero_impl/activations.py; the
     gathered copy is the recomputed layer's input, already in its Eq. 2 working set) and Pa+cpu
     keeps that slice in host memory: `host_checkpoints`, outside the device total.
@@ -120,6 +213,9 @@ def activation_memory(*, seq_len: int, micro_batch: int, hidden: int, heads: int
     layer = layer_activation_bytes(seq_len, micro_batch, hidden, heads, tp, bytes_per_element=bytes_per_element,
                                    dropout=dropout, kv_hidden=kv_hidden, ffn=ffn, swiglu=swiglu,
                                    rotated_copies=rotated_copies, rmsnorm=rmsnorm, fused_attention=fused_attention)
+    attention = attention_working_bytes(seq_len, micro_batch, hidden, heads, tp, bytes_per_element=bytes_per_element,
+                                        kv_hidden=kv_hidden, rotated_copies=rotated_copies, rmsnorm=rmsnorm,
+                                        fused_attention=fused_attention)
     kept = checkpoint_bytes(seq_len, micro_batch, hidden, layers, bytes_per_element=bytes_per_element)
     if recompute and partition_activations:
         kept = layers * bytes_per_element * -(-seq_len * micro_batch * hidden // tp)
@@ -128,10 +224,14 @@ def activation_memory(*, seq_len: int, micro_batch: int, hidden: int, heads: int
         "layers_kept": (kept - host if recompute else layers * layer),
         "host_checkpoints": host,
         "head": head_bytes(seq_len, micro_batch, hidden, bytes_per_element=bytes_per_element, dropout=dropout),
-        "recomputed_layer": layer if recompute else 0.0,
+        "score_buffer": score_buffer_bytes(seq_len, micro_batch, heads, tp, bytes_per_element=bytes_per_element,
+                                           fused_attention=fused_attention),
+        "recomputed_layer": max(layer, attention) if recompute else 0.0,
+        "last_layer_transient": 0.0 if recompute else max(0.0, attention - layer),
         "logits": logits_bytes(seq_len, micro_batch, vocab, tp, bytes_per_element=bytes_per_element),
     }
-    out["total"] = out["layers_kept"] + out["head"] + max(out["recomputed_layer"], out["logits"])
+    out["total"] = (out["layers_kept"] + out["head"] + out["score_buffer"]
+                    + max(out["recomputed_layer"] + out["last_layer_transient"], out["logits"]))
     return out
 
 

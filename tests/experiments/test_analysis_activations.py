@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 
 from experiments.sweeps.dry_run import dry_run
-from experiments.analysis.activations import (activation_memory, checkpoint_bytes, engine_buffer_bytes, head_bytes,
-                                              layer_activation_bytes, layer_params_per_tp_rank, logits_bytes,
-                                              root_params_per_tp_rank)
+from experiments.analysis.activations import (activation_memory, attention_working_bytes, checkpoint_bytes,
+                                              engine_buffer_bytes, head_bytes, layer_activation_bytes,
+                                              layer_params_per_tp_rank, logits_bytes, root_params_per_tp_rank,
+                                              score_buffer_bytes)
 from experiments.models.gpt_shape import (GPTShape, padded_vocab_size, parameter_count,
                                           parameters_per_tp_rank)
 from experiments.points import expand, predicted_memory_bytes
@@ -50,14 +51,59 @@ def test_checkpoints_head_and_logits():
     assert logits_bytes(1024, 2, 50304, bytes_per_element=4) == 4 * 1024 * 2 * 50304  # fp32: .float() is a no-op
 
 
+def test_attention_working_set_and_score_buffer_by_hand():
+    """One layer's local attention at s 64, b 1, h 32, a 4 (a·s/h = 8): U = a·s²·b/t = 16384
+    score elements. fp16 holds 12 bytes of them at once (its softmax's backward: the saved fp32
+    output, the fp32 gradient of the probabilities, the fp32 gradient of the scores), fp32 16
+    (the in-place mask's CopySlices backward); beside them the norm's input and output and two
+    gradients, 4·p·sbh, and Q, K, V and the context's gradient, (3h + h)·s·b·p/t. megatron's
+    score buffer holds p·U bytes for good."""
+    s, b, h, a = 64, 1, 32, 4
+    assert attention_working_bytes(s, b, h, a) == 12 * 16384 + 2 * 4 * 2048 + 2 * 128 * 64 == 229_376
+    assert attention_working_bytes(s, b, h, a, bytes_per_element=4) == 16 * 16384 + 4 * 4 * 2048 + 4 * 128 * 64 \
+        == 327_680
+    # TP 2: scores, Q, K, V and the context's gradient halve; the norm's tensors and 2 gradients do not
+    assert attention_working_bytes(s, b, h, a, tp=2) == 12 * 8192 + 2 * 4 * 2048 + 2 * 128 * 64 / 2 == 122_880
+    # K and V kept 8 wide each, RMSNorm's normalized input beside the norm's input and output
+    assert attention_working_bytes(s, b, h, a, kv_hidden=8, rmsnorm=True) == \
+        12 * 16384 + 2 * 5 * 2048 + 2 * (32 + 2 * 8 + 32) * 64 == 227_328
+    assert score_buffer_bytes(s, b, a) == 2 * 16384 and score_buffer_bytes(s, b, a, tp=2) == 16384
+    assert score_buffer_bytes(s, b, a, bytes_per_element=4) == 4 * 16384
+    # a flash-style kernel: neither
+    assert attention_working_bytes(s, b, h, a, fused_attention=True) == score_buffer_bytes(s, b, a,
+                                                                                         fused_attention=True) == 0
+
+
 def test_activation_total_keeps_the_larger_working_set():
     s, b, h, a, l, v = 1024, 2, 4096, 32, 62, 50304
-    sbh = s * b * h
-    layer, logits = sbh * (34 + 5 * a * s / h), 6 * s * b * v
+    sbh, scores = s * b * h, a * s * s * b
+    layer, logits = sbh * (34 + 5 * a * s / h), 6 * s * b * v     # 620.8 MB, 618.1 MB
+    attention = 12 * scores + 16 * sbh                             # 939.5 MB: the recomputed layer's peak
     m = activation_memory(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=l, vocab=v, recompute=True)
-    assert m["total"] == l * 2 * sbh + 5 * sbh + max(layer, logits)
+    assert m["recomputed_layer"] == attention > layer and m["score_buffer"] == 2 * scores
+    assert m["total"] == l * 2 * sbh + 5 * sbh + 2 * scores + max(layer, attention, logits)
     m = activation_memory(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=l, vocab=v, recompute=False)
-    assert m["total"] == l * layer + 5 * sbh + logits
+    # the last layer's attention adds 318.7 MB beyond what it keeps: less than the loss's
+    assert m["last_layer_transient"] == attention - layer < logits
+    assert m["total"] == l * layer + 5 * sbh + 2 * scores + logits
+    # TE's fused attention: neither term, the numbers of before
+    m = activation_memory(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=l, vocab=v, fused_attention=True)
+    fused = layer_activation_bytes(s, b, h, a, fused_attention=True)
+    assert m["total"] == l * 2 * sbh + 5 * sbh + max(fused, logits)
+
+
+def test_long_sequence_recomputed_layer_by_hand():
+    """s 64, b 1, h 32, a 4, 3 layers, vocabulary 64, fp16 with dropout (the paper's count): the
+    layer keeps sbh(34 + 5as/h) = 2048·74 = 151,552 bytes, its attention's working set is 229,376
+    (test above), the loss's 6·s·b·V = 24,576, the checkpoints 3·2sbh = 12,288, the head 5sbh =
+    10,240, the score buffer 2·a·s²·b = 32,768."""
+    common = dict(seq_len=64, micro_batch=1, hidden=32, heads=4, layers=3, vocab=64)
+    m = activation_memory(recompute=True, **common)
+    assert m["total"] == 12_288 + 10_240 + 32_768 + 229_376 == 284_672
+    # without recomputation the last layer's attention adds 229,376 - 151,552 = 77,824 > the loss's
+    m = activation_memory(recompute=False, **common)
+    assert m["last_layer_transient"] == 77_824
+    assert m["total"] == 3 * 151_552 + 10_240 + 32_768 + 77_824 == 575_488
 
 
 def test_unit_sizes_add_up_to_the_megatron_count():
@@ -108,39 +154,55 @@ def test_fig2_100b_does_not_fit_without_partitioned_activations(compose):
 
 
 def test_fig2_small_point_fits(compose):
-    """1.5B (48 x 1600, 16 heads), stage 2, 400 GPUs, MP 1, micro-batch 24, fp16."""
+    """1.5B (48 x 1600, 16 heads), stage 2, 400 GPUs, MP 1, micro-batch 24, fp16: the loss's
+    working set is the larger, and it runs before the engine holds any gradient buffer."""
     point = _points(compose, "fig2")[("fig2_1.5b", 2, 400, 1, 24)]
     s, b, h, a, l, v = 1024, 24, 1600, 16, 48, 50304
     sbh = s * b * h
     psi = parameter_count(point.shape)
     states = 2 * psi + 14 * psi / 400                                         # 3.17 GB
-    activations = l * 2 * sbh + 5 * sbh + max(sbh * (34 + 5 * a * s / h),      # 3.77 + 0.20 GB
-                                              6 * s * b * v)                   # + 7.42 GB logits
+    scores = a * s * s * b                                                     # 0.80 GB score buffer at 2 B
+    held = l * 2 * sbh + 5 * sbh + 2 * scores                                  # 3.77 + 0.20 + 0.80 GB
+    layer = max(sbh * (34 + 5 * a * s / h), 12 * scores + 16 * sbh)            # layer 3.13, attention 5.46 GB
+    logits = 6 * s * b * v                                                     # 7.42 GB
     bucket = point.zero["reduce_bucket_size"]
-    buffers = (MAX_INFLIGHT_STAGING * bucket + max(bucket, v * h)) * 2 + v * h * 2
+    buffers = (MAX_INFLIGHT_STAGING * bucket + max(bucket, v * h)) * 2 + v * h * 2   # 0.48 GB
     m = predicted_memory_bytes(point, "fp16")
-    assert m["total"] == pytest.approx(states + activations + buffers, rel=1e-12)
+    assert m["activations"] == pytest.approx(held + logits, rel=1e-12) and m["buffers"] == buffers
+    assert logits > layer + buffers
+    assert m["total"] == pytest.approx(states + held + logits, rel=1e-12) == pytest.approx(15.36e9, rel=1e-3)
     assert m["total"] < 16e9 < V100
 
 
 def test_fig4_13b_without_mp_fits(compose):
     """Figure 4's largest ZeRO model: 13B (62 x 4096, 32 heads) on 128 GPUs, MP 1, stage 2,
-    micro-batch 2, fp16: 26.8 GB of model states + 1.7 GB of activations (1.04 GB of
-    checkpoints, one recomputed layer 0.62 GB > the loss's 0.62 GB) + the engine's buffers
-    (0.98 GB with 4e7-element buckets; 3.4 GB with DeepSpeed's 5e8) = 29.5 GB (31.9 GB): fits a
-    32 GB V100, as the paper trains it, but with little room."""
+    micro-batch 2, fp16: 26.8 GB of model states + 2.16 GB of activations (1.04 GB of
+    checkpoints, the score buffer 0.13 GB, one recomputed layer's peak 0.94 GB, its attention's
+    working set, > what it keeps 0.62 GB and the loss's 0.62 GB) + the engine's buffers (0.98 GB
+    with 4e7-element buckets; 3.4 GB with DeepSpeed's 5e8) = 29.9 GB (32.3 GB): fits a 32 GB
+    V100, as the paper trains it, but with little room."""
     point = _points(compose, "fig4")[("fig4_13b", 2, 128, 1, 2)]
     s, b, h, a, l, v = 1024, 2, 4096, 32, 62, 50304
-    sbh = s * b * h
+    sbh, scores = s * b * h, a * s * s * b
     psi = parameter_count(point.shape)
     states = 2 * psi + 14 * psi / 128
-    activations = l * 2 * sbh + 5 * sbh + max(sbh * (34 + 5 * a * s / h), 6 * s * b * v)
+    activations = l * 2 * sbh + 5 * sbh + 2 * scores + max(sbh * (34 + 5 * a * s / h), 12 * scores + 16 * sbh,
+                                                            6 * s * b * v)
     bucket = point.zero["reduce_bucket_size"]
     buffers = (MAX_INFLIGHT_STAGING * bucket + max(bucket, v * h)) * 2 + v * h * 2
     m = predicted_memory_bytes(point, "fp16")
     assert m["total"] == pytest.approx(states + activations + buffers, rel=1e-12)
-    assert states == pytest.approx(26.78e9, rel=1e-3) and activations == pytest.approx(1.703e9, rel=1e-3)
+    assert states == pytest.approx(26.78e9, rel=1e-3) and activations == pytest.approx(2.156e9, rel=1e-3)
     assert m["total"] < V100
+
+
+def test_the_score_buffer_is_held_through_the_optimizer_step(compose):
+    """Figure 4's DDP baseline 1.16B (24 x 1920, 16 heads), micro-batch 8, fp16: its peak is the
+    whole-model step, which megatron's score buffer, 2·a·s²·b = 268 MB, outlives."""
+    point = _points(compose, "fig4")[("fig4_1.16b", 0, 128, 1, 8)]
+    m = predicted_memory_bytes(point, "fp16")
+    assert m["peak_phase"] == "step"
+    assert m["total"] == m["model_states"] + m["step_temporaries"] + 2 * 16 * 1024 * 1024 * 8
 
 
 def test_dry_run_prints_the_terms_and_the_verdicts(compose, capsys):
@@ -152,5 +214,5 @@ def test_dry_run_prints_the_terms_and_the_verdicts(compose, capsys):
     small = rows[points[("fig2_1.5b", 2, 400, 1, 24)].point_id]
     # | point | ... | micro-batch | recompute | model states | activations | buffers | step temporaries | total
     # | fits | here |: the step's temporaries, one 4e7-element chunk at 8 B, stay below backward's peak
-    assert big[10:12] == ["32", "yes"] and big[12] == "16.21 GB" and big[13] == "9.29 GB" and big[17] == "yes"
+    assert big[10:12] == ["32", "yes"] and big[12] == "16.21 GB" and big[13] == "9.70 GB" and big[17] == "yes"
     assert big[15] == "320.00 MB" and small[17] == "yes"

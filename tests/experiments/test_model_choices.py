@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.analysis.activations import layer_activation_bytes
+from experiments.analysis.activations import layer_activation_bytes, score_buffer_bytes, score_working_bytes
 from experiments.launch import spawn
 from experiments.models.gpt_shape import GPTShape, parameter_count, parameters_per_tp_rank
 from experiments.points import ConfigError, _layer_shape, expand, load_model, predicted_memory_bytes, shape_of
@@ -132,6 +132,64 @@ def test_layer_activations_are_what_megatrons_layer_keeps(choice):
     # beyond the model: rotary embeddings' cos and sin of Q and K, 4 x s x head dim, per layer
     rope = 4 * shape.seq_len * (shape.hidden // shape.heads) * 4 if shape.position == "rope" else 0
     assert measured - rope == pytest.approx(predicted, rel=0.01), (measured, predicted)
+
+
+def _score_peak(shape: GPTShape, dtype: torch.dtype) -> int:
+    """The most bytes of score-sized storages ([.., s, s] of a·s²·b elements, and megatron's
+    flat score buffer) alive at once in one forward and backward of one megatron-core layer
+    (local spec, micro-batch 2), from a fresh process (the buffer not yet allocated)."""
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.weak import WeakIdKeyDictionary
+    from experiments.models.megatron_gpt import build_gpt, initialize_parallel
+    initialize_parallel(1)
+    model = build_gpt(shape, dtype=dtype).to(dtype)  # the engine casts the norms to the training dtype
+    s, numel = shape.seq_len, shape.heads * shape.seq_len ** 2 * 2
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    rope = model.rotary_pos_emb(s) if shape.position == "rope" else None
+
+    class Scores(TorchDispatchMode):
+        live, peak, seen = 0, 0, WeakIdKeyDictionary()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                st = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+                if st is None or st in self.seen or t.numel() != numel or not (t.dim() == 1 or t.shape[-2:] == (s, s)):
+                    continue
+                self.seen[st] = True
+                self.live += st.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(st, self._free, st.nbytes())
+            return out
+
+        def _free(self, nbytes):
+            self.live -= nbytes
+
+    counter = Scores()
+    with counter:
+        out, _ = model.decoder.layers[0](torch.randn(s, 2, shape.hidden, dtype=dtype, requires_grad=True),
+                                         attention_mask=mask, rotary_pos_emb=rope)
+        out.float().square().mean().backward()
+    return counter.peak
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("choice", [{}, dict(ffn_hidden=96, kv_heads=2, bias=False, position="rope", mlp="swiglu",
+                                             norm="rmsnorm", tie_embeddings=False)], ids=["gpt2", "llama"])
+def test_attention_score_working_set_is_what_megatrons_layer_holds(choice, dtype):
+    """The local attention's s x s tensors at their peak, the score buffer included: 14·a·s²·b
+    bytes in bf16 (12 of the working set, at the probabilities' cast and again at the softmax's
+    backward, + the 2-byte buffer), 20 in fp32 (16 at the in-place mask's backward + 4): the
+    Korthikanti count keeps p·a·s²·b of them, the softmax output."""
+    shape = dataclasses.replace(BASE, **choice)
+    p = torch.empty(0, dtype=dtype).element_size()
+    measured = spawn(_score_peak, 1, shape, dtype, timeout=120)[0]
+    a_s2_b = shape.heads * shape.seq_len ** 2 * 2
+    expected = score_working_bytes(shape.seq_len, 2, shape.heads, bytes_per_element=p) + \
+        score_buffer_bytes(shape.seq_len, 2, shape.heads, bytes_per_element=p)
+    assert measured == expected == a_s2_b * (14 if p == 2 else 20)
 
 
 def test_default_activation_numbers_are_unchanged():

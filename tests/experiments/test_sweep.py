@@ -172,15 +172,17 @@ def test_dry_run_cli_lists_paper_points_with_predicted_memory():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:4] == ["62", "4096", "32"] and cells[5] == "128" and cells[10:12] == ["2", "yes"]
     # Model states 2Ψ + 14Ψ/128 of 12.7B, activations of micro-batch 2 with recomputation (62
-    # checkpoints of 2sbh + one recomputed layer + LayerNorm/output inputs), then the engine's
-    # buffers: together within a 32 GB V100 (tests/experiments/test_analysis_activations.py has the sums). The
-    # step's temporaries: one 4e7-element chunk's fp32 gradients and square roots, 8 B each.
-    assert cells[12] == "26.78 GB" and cells[13] == "1.70 GB" and cells[15] == "320.00 MB" and cells[17] == "yes"
+    # checkpoints of 2sbh + megatron's score buffer + one recomputed layer's peak + LayerNorm/output
+    # inputs), then the engine's buffers: together within a 32 GB V100
+    # (tests/experiments/test_analysis_activations.py has the sums). The step's temporaries: one
+    # 4e7-element chunk's fp32 gradients and square roots, 8 B each.
+    assert cells[12] == "26.78 GB" and cells[13] == "2.16 GB" and cells[15] == "320.00 MB" and cells[17] == "yes"
     ddp = next(line for line in done.stdout.splitlines() if line.startswith("| fig4_1.38b-s0-g128"))
     cells = [c.strip() for c in ddp.strip("|").split("|")]
     # DDP's baseline updates its whole 1.21B-parameter model at once: 8 B per parameter at the
-    # step, on top of 16 B of model states, set the peak (the simulation: 29.12 GB)
-    assert cells[12] == "19.39 GB" and cells[15] == "9.70 GB" and cells[16] == "29.09 GB"
+    # step, on top of 16 B of model states and megatron's score buffer (2·a·s²·b = 34 MB), set the
+    # peak (the simulation: 29.12 GB)
+    assert cells[12] == "19.39 GB" and cells[15] == "9.70 GB" and cells[16] == "29.12 GB"
     big = next(line for line in run_sweep_cli("experiment=fig2", "dry_run=true", timeout=120).stdout.splitlines()
                if line.startswith("| fig2_100b-s2-g400-tp16-mb32"))
     # ZeRO-100B's C4: Pa keeps 1/16 of the 67 GB of activation checkpoints, so it fits; not runnable here
