@@ -15,8 +15,11 @@ t = tensor-parallel degree, p = bytes per activation element (2 for fp16/bf16):
                                                                -> sbh·12p / t
       attention: softmax output 2as²b, its dropout mask as²b, dropout output 2as²b
                                                                -> as²b·(2p + 1) / t
-  (`layer_activation_bytes`; with dropout off the masks and the dropout output go: the paper
-  trains GPT-2 with dropout 0.1, the benchmark model here runs without).
+  That attention part is the fused fp16 softmax's; megatron-core's local attention runs its
+  softmax in fp32 and keeps the fp32 output too: as²b·(p + 5)/t with dropout, (p + 4)/t
+  without at 16 bits (`kept_per_score`), what this model counts (`layer_activation_bytes`;
+  with dropout off the masks and the dropout output go: the paper trains GPT-2 with dropout
+  0.1, the benchmark model here runs without).
 - §5, full activation recomputation (one checkpoint per layer, as the paper trains): only each
   layer's input is kept, p·s·b·h bytes per layer = 2sbh at fp16, held whole by every TP rank
   (not divided by t) unless ZeRO-R's Pa partitions it; backward then recomputes one layer at a
@@ -62,9 +65,11 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            bytes_per_element: int = 2, dropout: bool = True, kv_hidden: int | None = None,
                            ffn: int | None = None, swiglu: bool = False, rotated_copies: bool = False,
                            rmsnorm: bool = False, fused_attention: bool = False) -> float:
-    """Bytes one transformer layer keeps for backward on one TP rank (Korthikanti et al. 2022
-    Eq. 1 at t = 1, Eq. 2 for TP t without sequence parallelism; p = 2 with dropout gives
-    s·b·h·(10 + 24/t + 5·a·s/(h·t))).
+    """Bytes one transformer layer keeps for backward on one TP rank: Korthikanti et al. 2022
+    Eq. 1 at t = 1, Eq. 2 for TP t without sequence parallelism, for its linear part; its
+    attention's s x s part as megatron-core's local attention keeps it (`kept_per_score`: 7 bytes
+    a score with dropout at p = 2, where the paper's fused fp16 softmax keeps 5), so p = 2 with
+    dropout gives s·b·h·(10 + 24/t + 7·a·s/(h·t)).
 
     Shapes beyond GPT-2's (the defaults keep its numbers), as megatron-core's local layers keep
     them (tests/experiments/test_model_choices.py counts what autograd saves): kv_hidden, the
@@ -79,13 +84,7 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     keep nothing more. fused_attention: a flash-style kernel (TE's DotProductAttention) keeps no
     s x s tensor, only its softmax statistics, an fp32 log-sum-exp a row: 4·a·s·b/t.
 
-    Not counted: at 16 bits megatron's softmax runs in fp32 and saves its fp32 output
-    (fusions/fused_softmax.py:335) beside the p-byte probabilities the context bmm saves, 4·a·s²·b/t
-    more than the paper's softmax output (test_model_choices.py measures the kept set in fp32,
-    where the two are one tensor). With recomputation only one layer's kept set is alive, inside
-    its peak (`attention_working_bytes`); without it, every layer's is short by that much (for
-    GPT-2's shapes the dropout masks counted here, which the simulated model does not run, make
-    up most of it)."""
+    test_model_choices.py measures the kept set of megatron's layer in fp32 and in bf16."""
     s, b, h, a, t, p = seq_len, micro_batch, hidden, heads, tp, bytes_per_element
     masks = 1 if dropout else 0
     replicated = s * b * h * (4 * p + 2 * masks) + (2 * p * s * b * h if rmsnorm else 0)
@@ -96,8 +95,23 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
         f = 4 * h if ffn is None else ffn
         qkv = h + 2 * kv + (2 * h if rotated_copies else 0)
         sharded = s * b * (qkv + h + f * (5 if swiglu else 2)) * p / t
-    attention = (4 * a * s * b if fused_attention else a * s * s * b * (p + masks * (p + 1))) / t
+    attention = (4 * a * s * b if fused_attention else a * s * s * b * kept_per_score(p, dropout)) / t
     return replicated + sharded + attention
+
+
+def kept_per_score(bytes_per_element: int, dropout: bool) -> int:
+    """Bytes per score element (a·s²·b/t of them) one layer's local attention keeps for backward.
+    megatron-core 0.16.1 runs the softmax in fp32 (attention_softmax_in_fp32, masked_softmax_fusion
+    off: FusedScaleMaskSoftmax.forward_torch_softmax) and softmax saves its fp32 output
+    (fusions/fused_softmax.py:335): 4; the context bmm saves its p-byte input, the probabilities
+    cast back to p bytes (:340; at fp32 the softmax output itself, nothing more) or, with dropout,
+    dropout's p-byte output beside its 1-byte mask. So p + 4 at 16 bits (6), 4 at fp32, p + 5
+    with dropout. Korthikanti et al.'s Eq. 1 counts the fused fp16 kernel's p-byte softmax output,
+    5 with dropout at p = 2, where megatron-core's local path keeps 7."""
+    p = bytes_per_element
+    if dropout:
+        return 4 + 1 + p
+    return 4 + (p if p < 4 else 0)
 
 
 def attention_working_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,

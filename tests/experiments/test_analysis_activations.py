@@ -28,12 +28,15 @@ def _points(compose, experiment: str) -> dict:
 def test_layer_activations_korthikanti_eq1_eq2():
     s, b, h, a = 1024, 32, 8192, 64
     sbh = s * b * h
-    # Eq. 1, t = 1: sbh(34 + 5as/h) = sbh(34 + 40)
-    assert layer_activation_bytes(s, b, h, a) == sbh * 74
-    # Eq. 2, t = 16, no sequence parallelism: sbh(10 + 24/16 + 5as/(16h)) = sbh(10 + 1.5 + 2.5)
-    assert layer_activation_bytes(s, b, h, a, tp=16) == pytest.approx(sbh * 14, rel=1e-12)
-    # No dropout: no masks (2sbh, as²b) and no dropout output (2as²b): 32sbh + 2as²b at t = 1.
-    assert layer_activation_bytes(s, b, h, a, dropout=False) == 32 * sbh + 2 * a * s * s * b
+    # Eq. 1's linear part, t = 1, and megatron-core's attention: the fp32 softmax output (4), the
+    # mask (1) and dropout's output (2) a score, where the paper's fused fp16 softmax keeps 2 + 1 + 2:
+    # sbh(34 + 7as/h) = sbh(34 + 56)
+    assert layer_activation_bytes(s, b, h, a) == sbh * 90
+    # Eq. 2, t = 16, no sequence parallelism: sbh(10 + 24/16 + 7as/(16h)) = sbh(10 + 1.5 + 3.5)
+    assert layer_activation_bytes(s, b, h, a, tp=16) == pytest.approx(sbh * 15, rel=1e-12)
+    # No dropout: no masks (2sbh) and no dropout output; the fp32 softmax output and the 16-bit
+    # probabilities the context bmm saves: 32sbh + (4 + 2)as²b at t = 1
+    assert layer_activation_bytes(s, b, h, a, dropout=False) == 32 * sbh + 6 * a * s * s * b
     # fp32, no dropout: every stored tensor twice as wide: 64sbh + 4as²b.
     assert layer_activation_bytes(s, b, h, a, bytes_per_element=4, dropout=False) == 64 * sbh + 4 * a * s * s * b
 
@@ -77,13 +80,13 @@ def test_attention_working_set_and_score_buffer_by_hand():
 def test_activation_total_keeps_the_larger_working_set():
     s, b, h, a, l, v = 1024, 2, 4096, 32, 62, 50304
     sbh, scores = s * b * h, a * s * s * b
-    layer, logits = sbh * (34 + 5 * a * s / h), 6 * s * b * v     # 620.8 MB, 618.1 MB
+    layer, logits = sbh * (34 + 7 * a * s / h), 6 * s * b * v     # 755.0 MB, 618.1 MB
     attention = 12 * scores + 16 * sbh                             # 939.5 MB: the recomputed layer's peak
     m = activation_memory(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=l, vocab=v, recompute=True)
     assert m["recomputed_layer"] == attention > layer and m["score_buffer"] == 2 * scores
     assert m["total"] == l * 2 * sbh + 5 * sbh + 2 * scores + max(layer, attention, logits)
     m = activation_memory(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=l, vocab=v, recompute=False)
-    # the last layer's attention adds 318.7 MB beyond what it keeps: less than the loss's
+    # the last layer's attention adds 184.5 MB beyond what it keeps: less than the loss's
     assert m["last_layer_transient"] == attention - layer < logits
     assert m["total"] == l * layer + 5 * sbh + 2 * scores + logits
     # TE's fused attention: neither term, the numbers of before
@@ -93,17 +96,17 @@ def test_activation_total_keeps_the_larger_working_set():
 
 
 def test_long_sequence_recomputed_layer_by_hand():
-    """s 64, b 1, h 32, a 4, 3 layers, vocabulary 64, fp16 with dropout (the paper's count): the
-    layer keeps sbh(34 + 5as/h) = 2048·74 = 151,552 bytes, its attention's working set is 229,376
+    """s 64, b 1, h 32, a 4, 3 layers, vocabulary 64, fp16 with dropout (the paper's recipe): the
+    layer keeps sbh(34 + 7as/h) = 2048·90 = 184,320 bytes, its attention's working set is 229,376
     (test above), the loss's 6·s·b·V = 24,576, the checkpoints 3·2sbh = 12,288, the head 5sbh =
     10,240, the score buffer 2·a·s²·b = 32,768."""
     common = dict(seq_len=64, micro_batch=1, hidden=32, heads=4, layers=3, vocab=64)
     m = activation_memory(recompute=True, **common)
     assert m["total"] == 12_288 + 10_240 + 32_768 + 229_376 == 284_672
-    # without recomputation the last layer's attention adds 229,376 - 151,552 = 77,824 > the loss's
+    # without recomputation the last layer's attention adds 229,376 - 184,320 = 45,056 > the loss's
     m = activation_memory(recompute=False, **common)
-    assert m["last_layer_transient"] == 77_824
-    assert m["total"] == 3 * 151_552 + 10_240 + 32_768 + 77_824 == 575_488
+    assert m["last_layer_transient"] == 45_056
+    assert m["total"] == 3 * 184_320 + 10_240 + 32_768 + 45_056 == 641_024
 
 
 def test_unit_sizes_add_up_to_the_megatron_count():
@@ -214,5 +217,5 @@ def test_dry_run_prints_the_terms_and_the_verdicts(compose, capsys):
     small = rows[points[("fig2_1.5b", 2, 400, 1, 24)].point_id]
     # | point | ... | micro-batch | recompute | model states | activations | buffers | step temporaries | total
     # | fits | here |: the step's temporaries, one 4e7-element chunk at 8 B, stay below backward's peak
-    assert big[10:12] == ["32", "yes"] and big[12] == "16.21 GB" and big[13] == "9.70 GB" and big[17] == "yes"
+    assert big[10:12] == ["32", "yes"] and big[12] == "16.21 GB" and big[13] == "9.83 GB" and big[17] == "yes"
     assert big[15] == "320.00 MB" and small[17] == "yes"
