@@ -20,7 +20,9 @@ numbers, so a forward kernel and a backward kernel are each priced at the combin
   flash_attn/flash_attn_triton.py @ eff9fe6), whose authors state "Overall Triton forward +
   backward is slightly slower than CUDA forward + backward", the CUDA kernel being FlashAttention
   v1: priced at the figure's "FlashAttention" (v1) series [assumption: "slightly" not quantified;
-  on the H100 neither kernel uses Hopper's own instructions, and the same reading is kept].
+  on the H100 unmeasured: llm-foundry's Hopper build of the kernel runs one pipeline stage, and
+  the gap to v1 may be wider there]. The A100 figure's "FlashAttention Triton" series is OpenAI's
+  triton.ops flash attention (the benchmark imports it), not this kernel: not used.
 
 Between measured lengths the rate is interpolated in log2(s); outside them it stays at the nearest
 measured length's [assumption: the curves have flattened by 16k]. The A100 40 GB has the 80 GB

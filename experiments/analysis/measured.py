@@ -30,6 +30,7 @@ checkpointing, how often the model's fastest is the measured fastest.
 from __future__ import annotations
 
 import csv
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import cache
@@ -79,12 +80,14 @@ FAMILY_KEY = ("source", "gpu", "gpus", "layers", "hidden", "heads", "kv_heads", 
 FAMILY_RULE = "the largest micro-batch without activation checkpointing"
 # FSDP's sharding strategies as ZeRO stages (the compilation names them inside longer text)
 SHARDING_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
-# a throughput row's attention_impl (its first word, lower case) -> the kernel the model prices
-# (attention.MEASURED, or the block's unfused path): llm-foundry's attn_impl `triton` is its Triton
-# flash kernel, `torch` MPT's unfused attention; `flash2` names FlashAttention-2. llm-foundry's
-# `flash` is whichever flash-attn is installed (v1 with torch 1.13's images, v2 with
-# `.[gpu-flash2]`): refused unless the cell says which
-ATTENTION_IMPLS = {"triton": "flash_triton", "torch": "unfused", "flash2": "flash2"}
+# a throughput row's attention_impl (its first word, lower case, up to the first character that
+# is neither a letter nor a digit) -> the kernel the model prices (attention.MEASURED):
+# llm-foundry's attn_impl `triton` is its Triton flash kernel; `flash2` names FlashAttention-2, as
+# does `flash` or `flashattention` with a version 2 in the cell ("flash (v2.3.6)"). A bare `flash`
+# is whichever flash-attn was installed (v1 with torch 1.13's images, v2 with `.[gpu-flash2]`):
+# refused. MPT's `torch` attention is refused too: the model's unfused path is priced faster than
+# the PyTorch attention flash-attention's own figures measured (A100, H100), so it is not claimed
+ATTENTION_IMPLS = {"triton": "flash_triton", "flash2": "flash2"}
 # a throughput row's GPU -> the profile of its machine
 GPU_CLUSTERS = {"A100 80GB": "dgx_a100", "A100 40GB": "dgx_a100_40gb", "H100 80GB": "dgx_h100"}
 # a throughput row's source -> the system that models its stack, and its model's block as the
@@ -295,13 +298,16 @@ def throughput_row(text: dict) -> dict:
 def attention_kernel(row: dict) -> str | None:
     """The kernel a throughput row's attention_impl names (ATTENTION_IMPLS); None where the cell is
     empty (the system's own); ValueError where it names none the model prices."""
-    words = row.get("attention_impl", "").replace("(", " ").split()
+    words = [w for w in re.split(r"[^a-z0-9.]+", row.get("attention_impl", "").lower()) if w]
     if not words:
         return None
-    name = words[0].lower()
+    name = words[0]
+    if name in ("flash", "flashattention") and any(re.fullmatch(r"v?2(\.[0-9.]*)?", w) for w in words[1:]):
+        name = "flash2"
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl {words[0]!r}: not one the model prices (its first word one of "
-                         f"{', '.join(ATTENTION_IMPLS)}; 'flash' does not say which flash-attn ran)")
+                         f"{', '.join(ATTENTION_IMPLS)}, or flash with its version 2; a bare 'flash' does not "
+                         f"say which flash-attn ran)")
     return ATTENTION_IMPLS[name]
 
 

@@ -20,6 +20,8 @@ cannot pass that, the model does without. systems.py's two host constants of meg
   model counts in a layer (validation.kernels_per_layer); per collective call, the same
   per-kernel cost [assumption: the call is issued by the same layer code, and no c10d call is
   timed here: the proxy runs at TP 1];
+  An assumption is not a quantity derived from the development set: the rule below does not
+  apply to it, and it is labelled one wherever it is printed;
 - the single-node file's derivation (validation.host_constants), shown passed over: for every file
   but its own it would be allowed while it passes its check (the per-kernel layer time against
   megatron-core's layer timed on a CPU, validation.host_time_check; the per-collective residual
@@ -182,8 +184,9 @@ def measured_constants() -> dict[str, Constant]:
                              "a microbenchmark this project runs (host_ops.py --time): the independent measurement itself",
                              None),
         PER_COLLECTIVE: Constant(PER_COLLECTIVE, FIELDS[PER_COLLECTIVE], per_kernel,
-                                 f"[assumption] the per-kernel cost ({layer}): a collective call is issued by the same "
-                                 f"layer code; no c10d call is timed here (the proxy runs at TP 1)", None,
+                                 f"the per-kernel cost, assumed for a collective call [assumption]: {layer}; the call "
+                                 f"is issued by the same layer code, and no c10d call is timed here (the proxy runs "
+                                 f"at TP 1)", None,
                                  "none: an assumption, set to the per-kernel measurement", None)}
 
 
