@@ -19,9 +19,8 @@ cannot pass that, the model does without. systems.py's two host constants of meg
   (results/reference/bench/layer_host_time.csv, host_ops.time_layer_host) over the kernels the
   model counts in a layer (validation.kernels_per_layer); per collective call, the same
   per-kernel cost [assumption: the call is issued by the same layer code, and no c10d call is
-  timed here: the proxy runs at TP 1];
-  An assumption is not a quantity derived from the development set: the rule below does not
-  apply to it, and it is labelled one wherever it is printed;
+  timed here: the proxy runs at TP 1]. An assumption is not a quantity derived from the
+  development set: the rule does not apply to it, and it is labelled one wherever printed;
 - the single-node file's derivation (validation.host_constants), shown passed over: for every file
   but its own it would be allowed while it passes its check (the per-kernel layer time against
   megatron-core's layer timed on a CPU, validation.host_time_check; the per-collective residual
