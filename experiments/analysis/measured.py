@@ -312,11 +312,7 @@ def attention_kernel(row: dict) -> str | None:
 
 
 def _throughput_refusal(row: dict) -> str | None:
-    """Why the model cannot express a throughput row beyond its layout, or None."""
-    try:
-        attention_kernel(row)
-    except ValueError as e:
-        return str(e)
+    """Why the model cannot express a throughput row beyond its layout and its attention kernel, or None."""
     if row["cp"] > 1:
         return "context parallelism > 1: not modelled"
     if row["activation_cpu_offload"]:
@@ -332,7 +328,11 @@ def _throughput_outcome(index: int, text: dict, row: dict, system: str | None, c
     tokens = row["global_batch"] * row["seq_len"]
     base = Outcome(index, row, row["tokens_per_s_per_gpu"], tokens / (row["tokens_per_s_per_gpu"] * row["gpus"]),
                    tokens_per_step=tokens)
-    why = _shape_refusal(row, row["pp"] * row["cp"]) or _throughput_refusal(row)
+    try:
+        attention, unpriced = attention_kernel(row), None
+    except ValueError as e:
+        attention, unpriced = None, str(e)
+    why = _shape_refusal(row, row["pp"] * row["cp"]) or unpriced or _throughput_refusal(row)
     if why:
         return _refused(base, why)
     stage = next(stage for name, stage in SHARDING_STAGES.items() if name in row["sharding"])
@@ -350,7 +350,7 @@ def _throughput_outcome(index: int, text: dict, row: dict, system: str | None, c
                       dp=row["dp"], stage=stage, recompute=row["recompute"],
                       grad_accum=row["global_batch"] // (row["micro_batch"] * row["dp"]),
                       element_bytes=st.PRECISION_BYTES[row["precision"].removeprefix("amp_")], reduce_bytes=mode,
-                      attention=attention_kernel(row))
+                      attention=attention)
     return _predicted(base, x, system or SOURCE_SYSTEMS[source], cluster or GPU_CLUSTERS[row["gpu"]])
 
 

@@ -58,8 +58,6 @@ from experiments.records import REPO
 EXTERNAL = REPO / "results" / "external"
 # the issue's rule: a derived constant within this factor of an independent measurement of it
 LOSO_FACTOR = 1.5
-
-
 # the issue's band for the median ratio (predicted / measured step time) of each group
 RATIO_BAND = (0.9, 1.1)
 
@@ -175,7 +173,7 @@ def measured_constants() -> dict[str, Constant]:
     """The independent sources as constants: no development-set file enters them (the per-kernel
     cost measured; the per-collective cost assumed equal to it)."""
     timed, kernels = read_layer_host_time(), validation.kernels_per_layer(1)
-    per_kernel = round(timed["layer_ms"] / kernels * 1e3, 1)
+    per_kernel = round(validation.timed_us_per_kernel(timed), 1)
     layer = (f"layer_host_time.csv: megatron-core {timed['megatron_core']}'s layer timed on a CPU ({timed['cpu']}), "
              f"{timed['layer_ms']:.3f} ms of host time a micro-batch, over the {kernels} kernels the model counts in a layer")
     return {
@@ -195,7 +193,7 @@ def derived_constants() -> dict[str, Constant]:
     against its measurement; the per-collective residual has none (only the per-kernel cost it is
     assumed to equal), so it cannot pass."""
     c, timed = validation.host_constants(), validation.host_time_check()
-    per_kernel = measured_constants()[PER_COLLECTIVE].us
+    per_kernel = measured_constants()[PER_KERNEL].us
     per_collective = c["host_us_per_collective"]
     return {
         PER_KERNEL: Constant(PER_KERNEL, FIELDS[PER_KERNEL], c["host_us_per_kernel"],

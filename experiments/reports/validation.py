@@ -204,6 +204,12 @@ PYTORCH_PER_OP_US = (3.8, 7.0)
 HOST_TIME_PLAUSIBLE_FACTOR = 1.5
 
 
+def timed_us_per_kernel(timed: dict) -> float:
+    """The proxy's timed layer (read_layer_host_time) over the kernels the model counts in a layer:
+    the measured host cost per kernel, in us."""
+    return timed["layer_ms"] / kernels_per_layer(1) * 1e3
+
+
 def host_time_check() -> dict:
     """The per-kernel constant's layer time against the proxy's host time, timed on the CPU."""
     c, proxy = host_constants(), read_layer_host_time()
@@ -220,7 +226,7 @@ def host_constants_table() -> pd.DataFrame:
     slopes = layer_slopes_table().set_index(["tp", "micro_batch"])["ratio"]
     low, high = (c["host_us_per_kernel"] / us for us in reversed(PYTORCH_PER_OP_US))
     op_low, op_high = (c["host_us_per_op"] / us for us in reversed(PYTORCH_PER_OP_US))
-    per_kernel_us = timed["layer_ms"] / kernels_per_layer(1) * 1e3
+    per_kernel_us = timed_us_per_kernel(timed)
     [ar] = [r for r in nccl_check().to_dict("records") if r["gpus"] == 2 and r["MiB"] == 2]
     verdict = "passes" if timed["passes"] else "fails"
     return pd.DataFrame([
